@@ -1,0 +1,218 @@
+//! The KV cache the native engine owns.
+//!
+//! Keys and values are stored per layer before GQA expansion, as (1, kv_heads, capacity,
+//! head_dim) buffers that new positions are written into in place; attention reads a
+//! narrowed view of the first `len` positions, so no step copies the cache. Buffers grow
+//! geometrically up to the model's context length.
+//!
+//! Forks share buffers copy-on-write. A shared store keeps a *frontier*: the highest
+//! length any holder may rely on. A holder whose length equals the frontier may append
+//! in place (every other holder only reads positions below its own, shorter or equal,
+//! length); any other holder copies its prefix into a fresh store first. So after a
+//! fork the first side to append keeps the buffers and the second pays one copy.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{Error, Result};
+
+/// The shape of every layer's storage; fixed by the model that made the cache.
+#[derive(Debug, Clone)]
+pub struct CacheLayout {
+    pub num_layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub max_len: usize,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl CacheLayout {
+    /// Bytes of keys plus values for one position across all layers.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
+    }
+}
+
+const MIN_CAPACITY: usize = 64;
+
+struct Store {
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    capacity: usize,
+    frontier: Mutex<usize>,
+}
+
+impl Store {
+    fn new(layout: &CacheLayout, capacity: usize) -> Result<Self> {
+        let shape = (1, layout.kv_heads, capacity, layout.head_dim);
+        let mut keys = Vec::with_capacity(layout.num_layers);
+        let mut values = Vec::with_capacity(layout.num_layers);
+        for _ in 0..layout.num_layers {
+            keys.push(Tensor::zeros(shape, layout.dtype, &layout.device)?);
+            values.push(Tensor::zeros(shape, layout.dtype, &layout.device)?);
+        }
+        Ok(Self { keys, values, capacity, frontier: Mutex::new(0) })
+    }
+}
+
+pub struct KvCache {
+    model_id: u64,
+    layout: CacheLayout,
+    store: Option<Arc<Store>>,
+    /// The ids whose keys and values the cache holds; its length is the cache length.
+    tokens: Vec<u32>,
+}
+
+impl KvCache {
+    pub(crate) fn new(model_id: u64, layout: CacheLayout) -> Self {
+        Self { model_id, layout, store: None, tokens: Vec::new() }
+    }
+
+    pub fn model_id(&self) -> u64 {
+        self.model_id
+    }
+
+    pub fn layout(&self) -> &CacheLayout {
+        &self.layout
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    pub fn max_len(&self) -> usize {
+        self.layout.max_len
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Positions allocated in the storage this cache currently points at.
+    pub fn capacity(&self) -> usize {
+        self.store.as_ref().map_or(0, |s| s.capacity)
+    }
+
+    /// Bytes of the keys and values of the positions this cache holds.
+    pub fn nbytes(&self) -> usize {
+        self.len() * self.layout.bytes_per_token()
+    }
+
+    /// Empties the cache, keeping its storage for reuse.
+    pub fn reset(&mut self) {
+        self.tokens.clear();
+    }
+
+    /// Keeps the first `n` positions (or drops `-n` from the end when `n` is negative).
+    /// O(1): only the length changes. Returns the number of positions dropped.
+    pub fn crop(&mut self, n: i64) -> Result<usize> {
+        let len = self.len() as i64;
+        if n < -len || n > len {
+            return Err(Error::Input(format!(
+                "cannot crop to {n}: the cache holds {len} positions, so n must be in [-{len}, {len}]"
+            )));
+        }
+        let keep = if n < 0 { len + n } else { n } as usize;
+        let dropped = self.len() - keep;
+        self.tokens.truncate(keep);
+        Ok(dropped)
+    }
+
+    /// A new cache with the same prefix, sharing the storage until one side appends.
+    pub fn fork(&self) -> Self {
+        Self {
+            model_id: self.model_id,
+            layout: self.layout.clone(),
+            store: self.store.clone(),
+            tokens: self.tokens.clone(),
+        }
+    }
+
+    /// Whether this cache is sharing storage with another live cache.
+    pub fn is_shared(&self) -> bool {
+        self.store.as_ref().is_some_and(|s| Arc::strong_count(s) > 1)
+    }
+
+    /// Makes positions `len..len + extra` writable in place: claims them in the shared
+    /// store, or moves this cache's prefix into a new, larger or private store.
+    pub(crate) fn reserve(&mut self, extra: usize) -> Result<()> {
+        let len = self.len();
+        let needed = len + extra;
+        if needed > self.layout.max_len {
+            return Err(Error::Position {
+                offset: len,
+                requested: extra,
+                limit: self.layout.max_len,
+                available: self.layout.max_len - len,
+            });
+        }
+        if let Some(store) = &self.store {
+            if store.capacity >= needed {
+                let exclusive = Arc::strong_count(store) == 1;
+                let mut frontier = store.frontier.lock().unwrap_or_else(|p| p.into_inner());
+                if exclusive || *frontier <= len {
+                    *frontier = needed;
+                    return Ok(());
+                }
+            }
+        }
+        let capacity = needed
+            .max(self.capacity() * 2)
+            .max(MIN_CAPACITY)
+            .min(self.layout.max_len);
+        let fresh = Store::new(&self.layout, capacity)?;
+        if len > 0 {
+            let old = self.store.as_ref().expect("a non-empty cache has a store");
+            for (dst, src) in fresh.keys.iter().zip(&old.keys).chain(fresh.values.iter().zip(&old.values)) {
+                dst.slice_set(&src.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
+            }
+        }
+        *fresh.frontier.lock().unwrap_or_else(|p| p.into_inner()) = needed;
+        self.store = Some(Arc::new(fresh));
+        Ok(())
+    }
+
+    /// Writes the new keys and values (1, kv_heads, n, head_dim) of `layer` at the end
+    /// of the cache. Positions must have been reserved.
+    pub(crate) fn write(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let store = self.store.as_ref().expect("reserve() runs before write()");
+        store.keys[layer].slice_set(k, 2, self.len())?;
+        store.values[layer].slice_set(v, 2, self.len())?;
+        Ok(())
+    }
+
+    /// Views of the first `len` positions of `layer`'s keys and values (no copy).
+    pub(crate) fn view(&self, layer: usize, len: usize) -> Result<(Tensor, Tensor)> {
+        match &self.store {
+            Some(store) => Ok((store.keys[layer].narrow(2, 0, len)?, store.values[layer].narrow(2, 0, len)?)),
+            None => Err(Error::Cache("the cache has no storage yet".into())),
+        }
+    }
+
+    /// Records the ids whose keys and values were just written.
+    pub(crate) fn commit(&mut self, ids: &[u32]) {
+        self.tokens.extend_from_slice(ids);
+    }
+
+    /// A contiguous copy of `layer`'s keys (or values), shape (1, kv_heads, len, head_dim).
+    pub fn layer_tensor(&self, layer: usize, values: bool) -> Result<Tensor> {
+        if layer >= self.layout.num_layers {
+            return Err(Error::Input(format!(
+                "layer {layer} is out of range: the cache has {} layers",
+                self.layout.num_layers
+            )));
+        }
+        if self.is_empty() {
+            let shape = (1, self.layout.kv_heads, 0, self.layout.head_dim);
+            return Ok(Tensor::zeros(shape, self.layout.dtype, &self.layout.device)?);
+        }
+        let (k, v) = self.view(layer, self.len())?;
+        Ok(if values { v } else { k }.contiguous()?)
+    }
+}

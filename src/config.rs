@@ -1,0 +1,101 @@
+//! Architecture numbers of a Llama-family model, whatever file they came from.
+
+use candle_transformers::models::llama::{Config as UpstreamConfig, Llama3RopeConfig, LlamaEosToks};
+
+/// Everything the engine needs to know about the architecture.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f32,
+    pub rms_norm_eps: f64,
+    /// Context length: the cache never grows past this many positions.
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// Llama 3 style frequency scaling, as in candle-transformers' config.
+    pub rope_scaling: Option<Llama3RopeConfig>,
+}
+
+impl ModelConfig {
+    /// Checks the numbers are coherent; returns a human-readable reason when not.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(format!("{name} must be positive, got 0"));
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(format!(
+                "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(format!("head_dim must be even for RoPE, got {}", self.head_dim));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(format!("rope_theta must be a positive number, got {}", self.rope_theta));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return Err(format!("rms_norm_eps must be a non-negative number, got {}", self.rms_norm_eps));
+        }
+        if self.max_position_embeddings > (1 << 24) {
+            return Err(format!("max_position_embeddings {} is implausibly large", self.max_position_embeddings));
+        }
+        Ok(())
+    }
+
+    /// Number of query heads sharing one key/value head.
+    pub fn n_rep(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+
+    /// candle-transformers' config for its own `Llama`. That model derives the head dim as
+    /// hidden_size / num_attention_heads, so other head dims cannot be expressed.
+    pub fn to_upstream(&self) -> std::result::Result<UpstreamConfig, String> {
+        if self.hidden_size != self.head_dim * self.num_attention_heads {
+            return Err(format!(
+                "candle's Llama assumes head_dim = hidden_size / num_attention_heads, but this model has head_dim {} with hidden_size {} and {} heads",
+                self.head_dim, self.hidden_size, self.num_attention_heads
+            ));
+        }
+        let eos_token_id = match self.eos_token_ids.as_slice() {
+            [] => None,
+            [one] => Some(LlamaEosToks::Single(*one)),
+            many => Some(LlamaEosToks::Multiple(many.to_vec())),
+        };
+        Ok(UpstreamConfig {
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            vocab_size: self.vocab_size,
+            num_hidden_layers: self.num_hidden_layers,
+            num_attention_heads: self.num_attention_heads,
+            num_key_value_heads: self.num_key_value_heads,
+            use_flash_attn: false,
+            rms_norm_eps: self.rms_norm_eps,
+            rope_theta: self.rope_theta,
+            bos_token_id: self.bos_token_id,
+            eos_token_id,
+            rope_scaling: self.rope_scaling.clone(),
+            max_position_embeddings: self.max_position_embeddings,
+            tie_word_embeddings: self.tie_word_embeddings,
+        })
+    }
+}

@@ -1,0 +1,50 @@
+//! Engine errors. Each variant maps to one Python exception class in `bindings`.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The model file or directory does not exist.
+    #[error("model not found: {path}")]
+    NotFound { path: PathBuf },
+
+    /// The file exists but is malformed, incomplete or of an architecture we cannot run.
+    #[error("cannot load model from {path}: {reason}")]
+    Load { path: PathBuf, reason: String },
+
+    /// A device that is unknown or not compiled into this build.
+    #[error("{0}")]
+    Device(String),
+
+    /// A dtype that is unknown or not supported on the chosen device.
+    #[error("{0}")]
+    DType(String),
+
+    /// The cache would grow past the model's context length.
+    #[error("cannot run {requested} token(s) at position {offset}: the model's context length is {limit} (max_length), so at most {available} more token(s) fit")]
+    Position { offset: usize, requested: usize, limit: usize, available: usize },
+
+    /// A token id that is negative or not below the vocabulary size.
+    #[error("token id {id} at index {index} is out of range: the vocabulary has {vocab} ids (0..{vocab})")]
+    TokenId { id: i64, index: usize, vocab: usize },
+
+    /// Bad argument value (empty ids, bad crop length, ...).
+    #[error("{0}")]
+    Input(String),
+
+    /// A cache used with a model that did not create it, or another cache misuse.
+    #[error("{0}")]
+    Cache(String),
+
+    /// An error inside candle while computing.
+    #[error("engine error: {0}")]
+    Engine(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub(crate) fn load(path: impl Into<PathBuf>, reason: impl std::fmt::Display) -> Self {
+        Error::Load { path: path.into(), reason: reason.to_string() }
+    }
+}

@@ -1,0 +1,19 @@
+//! kvcandle: a Llama-family model on candle with a KV cache the caller can see and
+//! control. The engine modules are plain Rust; the Python bindings live in `bindings`.
+
+pub mod cache;
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod loader;
+pub mod model;
+pub mod rope;
+pub mod upstream;
+
+#[cfg(feature = "python")]
+mod bindings;
+
+pub use cache::KvCache;
+pub use config::ModelConfig;
+pub use error::{Error, Result};
+pub use model::Llama;

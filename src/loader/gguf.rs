@@ -1,0 +1,191 @@
+//! GGUF (llama.cpp) files: metadata to [`ModelConfig`], tensors dequantized and renamed
+//! to the Hugging Face layout, with llama.cpp's q/k row permutation undone.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::{DType, Device, Tensor};
+
+use super::Weights;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+
+pub(super) fn load_file(path: &Path, dtype: DType, device: &Device) -> Result<Weights> {
+    let file = File::open(path).map_err(|e| Error::load(path, e))?;
+    let mut reader = BufReader::new(file);
+    let content = Content::read(&mut reader)
+        .map_err(|e| Error::load(path, format!("not a readable GGUF file: {e}")))?;
+    let meta = Meta { path, content: &content };
+
+    let arch = meta.string("general.architecture")?;
+    if arch != "llama" {
+        return Err(Error::load(
+            path,
+            format!("unsupported architecture {arch:?} (general.architecture); kvcandle runs \"llama\""),
+        ));
+    }
+    let config = meta.config(&arch)?;
+
+    let mut tensors = HashMap::new();
+    let mut read = |gguf_name: &str, hf_name: String, unpermute_heads: Option<usize>| -> Result<()> {
+        let q = content
+            .tensor(&mut reader, gguf_name, &Device::Cpu)
+            .map_err(|e| Error::load(path, format!("tensor {gguf_name}: {e}")))?;
+        let mut t = q
+            .dequantize(&Device::Cpu)
+            .map_err(|e| Error::load(path, format!("tensor {gguf_name}: {e}")))?;
+        if let Some(heads) = unpermute_heads {
+            t = unpermute(&t, heads).map_err(|e| Error::load(path, format!("tensor {gguf_name}: {e}")))?;
+        }
+        tensors.insert(hf_name, t.to_dtype(dtype)?.to_device(device)?);
+        Ok(())
+    };
+
+    read("token_embd.weight", "model.embed_tokens.weight".into(), None)?;
+    read("output_norm.weight", "model.norm.weight".into(), None)?;
+    if !config.tie_word_embeddings {
+        read("output.weight", "lm_head.weight".into(), None)?;
+    }
+    for i in 0..config.num_hidden_layers {
+        let (b, p) = (format!("blk.{i}"), format!("model.layers.{i}"));
+        read(&format!("{b}.attn_norm.weight"), format!("{p}.input_layernorm.weight"), None)?;
+        read(&format!("{b}.ffn_norm.weight"), format!("{p}.post_attention_layernorm.weight"), None)?;
+        read(&format!("{b}.attn_q.weight"), format!("{p}.self_attn.q_proj.weight"), Some(config.num_attention_heads))?;
+        read(&format!("{b}.attn_k.weight"), format!("{p}.self_attn.k_proj.weight"), Some(config.num_key_value_heads))?;
+        read(&format!("{b}.attn_v.weight"), format!("{p}.self_attn.v_proj.weight"), None)?;
+        read(&format!("{b}.attn_output.weight"), format!("{p}.self_attn.o_proj.weight"), None)?;
+        read(&format!("{b}.ffn_gate.weight"), format!("{p}.mlp.gate_proj.weight"), None)?;
+        read(&format!("{b}.ffn_up.weight"), format!("{p}.mlp.up_proj.weight"), None)?;
+        read(&format!("{b}.ffn_down.weight"), format!("{p}.mlp.down_proj.weight"), None)?;
+    }
+
+    let metadata = content
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer.") || k.starts_with("general."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    Ok(Weights { config, tensors, metadata, source: path.to_path_buf(), format: "gguf" })
+}
+
+/// llama.cpp's converter reorders the rows of each q/k head from the Hugging Face
+/// "rotate half" layout to interleaved pairs. For a head of `d` rows, row `2j + t`
+/// holds what Hugging Face keeps at row `t * d/2 + j`. Undo that:
+/// (heads, d/2, 2, in) -> (heads, 2, d/2, in).
+fn unpermute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let (out, inp) = w.dims2()?;
+    if heads == 0 || out % heads != 0 || (out / heads) % 2 != 0 {
+        candle_core::bail!("cannot split {out} rows into {heads} heads of even size");
+    }
+    let half = out / heads / 2;
+    w.reshape((heads, half, 2, inp))?.transpose(1, 2)?.contiguous()?.reshape((out, inp))
+}
+
+struct Meta<'a> {
+    path: &'a Path,
+    content: &'a Content,
+}
+
+impl Meta<'_> {
+    fn get(&self, key: &str) -> Result<&Value> {
+        self.content
+            .metadata
+            .get(key)
+            .ok_or_else(|| Error::load(self.path, format!("metadata key {key} is missing")))
+    }
+
+    fn string(&self, key: &str) -> Result<String> {
+        match self.get(key)? {
+            Value::String(s) => Ok(s.clone()),
+            other => Err(Error::load(self.path, format!("metadata {key} should be a string, got {other:?}"))),
+        }
+    }
+
+    fn uint(&self, key: &str) -> Result<usize> {
+        let v = self.get(key)?;
+        let n = match v {
+            Value::U8(x) => Some(*x as u64),
+            Value::U16(x) => Some(*x as u64),
+            Value::U32(x) => Some(*x as u64),
+            Value::U64(x) => Some(*x),
+            Value::I8(x) => u64::try_from(*x).ok(),
+            Value::I16(x) => u64::try_from(*x).ok(),
+            Value::I32(x) => u64::try_from(*x).ok(),
+            Value::I64(x) => u64::try_from(*x).ok(),
+            _ => None,
+        };
+        n.and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| Error::load(self.path, format!("metadata {key} should be a non-negative integer, got {v:?}")))
+    }
+
+    fn float(&self, key: &str) -> Result<f64> {
+        match self.get(key)? {
+            Value::F32(x) => Ok(*x as f64),
+            Value::F64(x) => Ok(*x),
+            other => Err(Error::load(self.path, format!("metadata {key} should be a float, got {other:?}"))),
+        }
+    }
+
+    fn opt<T>(&self, key: &str, f: impl Fn(&Self, &str) -> Result<T>) -> Result<Option<T>> {
+        if self.content.metadata.contains_key(key) {
+            f(self, key).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn tensor_dims(&self, name: &str) -> Option<&[usize]> {
+        self.content.tensor_infos.get(name).map(|t| t.shape.dims())
+    }
+
+    fn config(&self, arch: &str) -> Result<ModelConfig> {
+        let k = |s: &str| format!("{arch}.{s}");
+        let hidden_size = self.uint(&k("embedding_length"))?;
+        let num_attention_heads = self.uint(&k("attention.head_count"))?;
+        let num_key_value_heads =
+            self.opt(&k("attention.head_count_kv"), Self::uint)?.unwrap_or(num_attention_heads);
+        let head_dim = match self.opt(&k("attention.key_length"), Self::uint)? {
+            Some(d) => d,
+            None => match self.opt(&k("rope.dimension_count"), Self::uint)? {
+                Some(d) => d,
+                None if num_attention_heads > 0 => hidden_size / num_attention_heads,
+                None => 0,
+            },
+        };
+        let vocab_size = match self.opt(&k("vocab_size"), Self::uint)? {
+            Some(v) => v,
+            None => match self.tensor_dims("token_embd.weight") {
+                Some([v, _]) => *v,
+                _ => return Err(Error::load(self.path, "cannot tell the vocabulary size: no llama.vocab_size and no 2-D token_embd.weight")),
+            },
+        };
+        let token_id = |key: &str| -> Result<Option<u32>> {
+            Ok(self.opt(key, Self::uint)?.and_then(|v| u32::try_from(v).ok()))
+        };
+        if self.content.metadata.contains_key(&k("rope.scaling.type")) {
+            let kind = self.string(&k("rope.scaling.type"))?;
+            if kind != "none" {
+                return Err(Error::load(self.path, format!("unsupported RoPE scaling {kind:?} ({arch}.rope.scaling.type)")));
+            }
+        }
+        Ok(ModelConfig {
+            vocab_size,
+            hidden_size,
+            intermediate_size: self.uint(&k("feed_forward_length"))?,
+            num_hidden_layers: self.uint(&k("block_count"))?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rope_theta: self.opt(&k("rope.freq_base"), Self::float)?.unwrap_or(10_000.0) as f32,
+            rms_norm_eps: self.float(&k("attention.layer_norm_rms_epsilon"))?,
+            max_position_embeddings: self.uint(&k("context_length"))?,
+            tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
+            bos_token_id: token_id("tokenizer.ggml.bos_token_id")?,
+            eos_token_ids: token_id("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
+            rope_scaling: None,
+        })
+    }
+}

@@ -1,0 +1,109 @@
+//! Hugging Face directories: `config.json` plus `model.safetensors`, or shards listed
+//! in `model.safetensors.index.json`.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+use candle_transformers::models::llama::{LlamaConfig, LlamaEosToks};
+
+use super::Weights;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+
+pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<Weights> {
+    let config = read_config(dir)?;
+    let mut tensors = HashMap::new();
+    for file in weight_files(dir)? {
+        let loaded = candle_core::safetensors::load(&file, &Device::Cpu)
+            .map_err(|e| Error::load(&file, format!("not a readable safetensors file: {e}")))?;
+        for (name, t) in loaded {
+            let t = t
+                .to_dtype(dtype)
+                .and_then(|t| t.to_device(device))
+                .map_err(|e| Error::load(&file, format!("tensor {name}: {e}")))?;
+            tensors.insert(name, t);
+        }
+    }
+    Ok(Weights { config, tensors, metadata: HashMap::new(), source: dir.to_path_buf(), format: "safetensors" })
+}
+
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return Err(Error::load(dir, "no model.safetensors and no model.safetensors.index.json"));
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| Error::load(&index, e))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::load(&index, format!("invalid JSON: {e}")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::load(&index, "no \"weight_map\" object"))?;
+    let mut files = BTreeSet::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| Error::load(&index, format!("weight_map entry {name} is not a file name")))?;
+        if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            return Err(Error::load(&index, format!("weight_map entry {name} points outside the directory: {file:?}")));
+        }
+        files.insert(dir.join(file));
+    }
+    for f in &files {
+        if !f.is_file() {
+            return Err(Error::load(dir, format!("shard {} listed in the index is missing", f.display())));
+        }
+    }
+    Ok(files.into_iter().collect())
+}
+
+fn read_config(dir: &Path) -> Result<ModelConfig> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::load(&path, e))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::load(&path, format!("invalid JSON: {e}")))?;
+    if let Some(kind) = json.get("model_type").and_then(|v| v.as_str()) {
+        if kind != "llama" {
+            return Err(Error::load(&path, format!("unsupported model_type {kind:?}; kvcandle runs \"llama\"")));
+        }
+    }
+    if let Some(scaling) = json.get("rope_scaling").filter(|v| !v.is_null()) {
+        let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(|v| v.as_str());
+        if !matches!(kind, Some("llama3") | Some("default")) {
+            return Err(Error::load(&path, format!("unsupported rope_scaling {scaling}")));
+        }
+    }
+    let cfg: LlamaConfig =
+        serde_json::from_value(json.clone()).map_err(|e| Error::load(&path, e))?;
+    let head_dim = match json.get("head_dim").filter(|v| !v.is_null()) {
+        Some(v) => v.as_u64().ok_or_else(|| Error::load(&path, format!("head_dim should be an integer, got {v}")))? as usize,
+        None if cfg.num_attention_heads > 0 => cfg.hidden_size / cfg.num_attention_heads,
+        None => 0,
+    };
+    let eos_token_ids = match &cfg.eos_token_id {
+        None => vec![],
+        Some(LlamaEosToks::Single(t)) => vec![*t],
+        Some(LlamaEosToks::Multiple(ts)) => ts.clone(),
+    };
+    Ok(ModelConfig {
+        vocab_size: cfg.vocab_size,
+        hidden_size: cfg.hidden_size,
+        intermediate_size: cfg.intermediate_size,
+        num_hidden_layers: cfg.num_hidden_layers,
+        num_attention_heads: cfg.num_attention_heads,
+        num_key_value_heads: cfg.num_key_value_heads(),
+        head_dim,
+        rope_theta: cfg.rope_theta,
+        rms_norm_eps: cfg.rms_norm_eps,
+        max_position_embeddings: cfg.max_position_embeddings,
+        tie_word_embeddings: cfg.tie_word_embeddings.unwrap_or(false),
+        bos_token_id: cfg.bos_token_id,
+        eos_token_ids,
+        rope_scaling: cfg.rope_scaling,
+    })
+}

