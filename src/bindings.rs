@@ -1,0 +1,352 @@
+//! PyO3 wrappers: `kvcandle._core`. Inputs are converted first, then the engine runs
+//! with the GIL released. Engine errors become the exception classes defined in
+//! `kvcandle/errors.py` (Python classes, so they can also subclass IndexError etc).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+use candle_core::quantized::gguf_file::Value;
+use half::f16;
+use numpy::{PyArray1, PyArrayMethods, PyUntypedArray};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyType};
+
+use crate::cache::KvCache;
+use crate::device::{compiled_devices, dtype_name, parse_device, parse_dtype};
+use crate::error::Error;
+use crate::loader::{self, Weights};
+use crate::model::Llama;
+use crate::upstream::{UpstreamCache, UpstreamLlama};
+
+fn error_class(e: &Error) -> &'static str {
+    match e {
+        Error::NotFound { .. } => "ModelNotFoundError",
+        Error::Load { .. } => "ModelLoadError",
+        Error::Device(_) => "DeviceError",
+        Error::DType(_) => "DTypeError",
+        Error::Position { .. } => "PositionError",
+        Error::TokenId { .. } => "TokenIdError",
+        Error::Input(_) => "InputError",
+        Error::Cache(_) => "CacheError",
+        Error::Engine(_) => "EngineError",
+    }
+}
+
+fn to_py(py: Python<'_>, e: Error) -> PyErr {
+    let message = e.to_string();
+    let class = py
+        .import("kvcandle.errors")
+        .and_then(|m| m.getattr(error_class(&e)))
+        .and_then(|c| c.cast_into::<PyType>().map_err(PyErr::from));
+    match class {
+        Ok(class) => PyErr::from_type(class, message),
+        Err(_) => PyRuntimeError::new_err(message),
+    }
+}
+
+trait IntoPy<T> {
+    fn py_err(self, py: Python<'_>) -> PyResult<T>;
+}
+
+impl<T> IntoPy<T> for crate::error::Result<T> {
+    fn py_err(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_py(py, e))
+    }
+}
+
+/// A tensor as a numpy array of the same shape (float32, or float16 for half caches).
+fn to_numpy<'py>(py: Python<'py>, t: Tensor) -> PyResult<Bound<'py, PyUntypedArray>> {
+    let dims = t.dims().to_vec();
+    let flat = t.flatten_all().map_err(|e| to_py(py, e.into()))?;
+    let array = match flat.dtype() {
+        DType::F16 => {
+            let v = py.detach(|| flat.to_vec1::<f16>()).map_err(|e| to_py(py, e.into()))?;
+            PyArray1::from_vec(py, v).reshape(dims)?.into_any()
+        }
+        _ => {
+            let v = py
+                .detach(|| flat.to_dtype(DType::F32).and_then(|t| t.to_vec1::<f32>()))
+                .map_err(|e| to_py(py, e.into()))?;
+            PyArray1::from_vec(py, v).reshape(dims)?.into_any()
+        }
+    };
+    Ok(array.cast_into::<PyUntypedArray>().map_err(PyErr::from)?)
+}
+
+fn gguf_value<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match v {
+        Value::U8(x) => x.into_pyobject(py)?.into_any(),
+        Value::I8(x) => x.into_pyobject(py)?.into_any(),
+        Value::U16(x) => x.into_pyobject(py)?.into_any(),
+        Value::I16(x) => x.into_pyobject(py)?.into_any(),
+        Value::U32(x) => x.into_pyobject(py)?.into_any(),
+        Value::I32(x) => x.into_pyobject(py)?.into_any(),
+        Value::U64(x) => x.into_pyobject(py)?.into_any(),
+        Value::I64(x) => x.into_pyobject(py)?.into_any(),
+        Value::F32(x) => x.into_pyobject(py)?.into_any(),
+        Value::F64(x) => x.into_pyobject(py)?.into_any(),
+        Value::Bool(x) => x.into_pyobject(py)?.to_owned().into_any(),
+        Value::String(s) => s.into_pyobject(py)?.into_any(),
+        Value::Array(items) => {
+            let list = PyList::empty(py);
+            for item in items {
+                list.append(gguf_value(py, item)?)?;
+            }
+            list.into_any()
+        }
+    })
+}
+
+/// A loaded model running on the native engine.
+#[pyclass(frozen, module = "kvcandle._core")]
+struct Model {
+    inner: Arc<Llama>,
+    weights: Arc<Weights>,
+    device_name: String,
+}
+
+#[pymethods]
+impl Model {
+    #[staticmethod]
+    fn load(py: Python<'_>, path: PathBuf, dtype: &str, device: &str) -> PyResult<Self> {
+        let dev = parse_device(device).py_err(py)?;
+        let dt = parse_dtype(dtype, &dev).py_err(py)?;
+        let (weights, model) = py
+            .detach(|| -> crate::Result<(Weights, Llama)> {
+                let w = loader::load(&path, dt, &dev)?;
+                let m = Llama::new(&w)?;
+                Ok((w, m))
+            })
+            .py_err(py)?;
+        Ok(Self { inner: Arc::new(model), weights: Arc::new(weights), device_name: device.to_string() })
+    }
+
+    /// The architecture numbers as a dict.
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.inner.config();
+        let d = PyDict::new(py);
+        d.set_item("vocab_size", c.vocab_size)?;
+        d.set_item("hidden_size", c.hidden_size)?;
+        d.set_item("intermediate_size", c.intermediate_size)?;
+        d.set_item("num_hidden_layers", c.num_hidden_layers)?;
+        d.set_item("num_attention_heads", c.num_attention_heads)?;
+        d.set_item("num_key_value_heads", c.num_key_value_heads)?;
+        d.set_item("head_dim", c.head_dim)?;
+        d.set_item("rope_theta", c.rope_theta)?;
+        d.set_item("rms_norm_eps", c.rms_norm_eps)?;
+        d.set_item("max_position_embeddings", c.max_position_embeddings)?;
+        d.set_item("tie_word_embeddings", c.tie_word_embeddings)?;
+        d.set_item("bos_token_id", c.bos_token_id)?;
+        d.set_item("eos_token_ids", c.eos_token_ids.clone())?;
+        Ok(d)
+    }
+
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        dtype_name(self.inner.dtype())
+    }
+
+    #[getter]
+    fn device(&self) -> &str {
+        &self.device_name
+    }
+
+    #[getter]
+    fn format(&self) -> &'static str {
+        self.weights.format
+    }
+
+    #[getter]
+    fn source(&self) -> PathBuf {
+        self.weights.source.clone()
+    }
+
+    /// Number of weights (tied embeddings counted once).
+    #[getter]
+    fn num_parameters(&self) -> usize {
+        self.weights.tensors.values().map(|t| t.elem_count()).sum()
+    }
+
+    /// GGUF metadata (`general.*` and `tokenizer.*` keys); empty for safetensors.
+    fn gguf_metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, v) in &self.weights.metadata {
+            d.set_item(k, gguf_value(py, v)?)?;
+        }
+        Ok(d)
+    }
+
+    fn new_cache(&self) -> KVCache {
+        KVCache { inner: self.inner.new_cache() }
+    }
+
+    /// Runs `ids` after the cache's tokens, appends them, returns float32 logits.
+    fn forward<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<i64>,
+        cache: &Bound<'py, KVCache>,
+        all_logits: bool,
+    ) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let mut guard = cache.try_borrow_mut().map_err(|_| {
+            to_py(py, Error::Cache("the cache is in use by another call (a cache runs one forward at a time)".into()))
+        })?;
+        let cache: &mut KvCache = &mut guard.inner;
+        let model = &self.inner;
+        let logits = py.detach(|| model.forward(&ids, cache, all_logits)).py_err(py)?;
+        to_numpy(py, logits)
+    }
+
+    /// candle-transformers' own Llama built from the same weights (shared, not copied).
+    fn upstream(&self, py: Python<'_>) -> PyResult<UpstreamModel> {
+        let weights = &self.weights;
+        let model = py.detach(|| UpstreamLlama::new(weights)).py_err(py)?;
+        Ok(UpstreamModel { inner: Arc::new(model) })
+    }
+}
+
+/// The native engine's KV cache.
+#[pyclass(module = "kvcandle._core")]
+struct KVCache {
+    inner: KvCache,
+}
+
+#[pymethods]
+impl KVCache {
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    #[getter]
+    fn max_length(&self) -> usize {
+        self.inner.max_len()
+    }
+
+    #[getter]
+    fn tokens(&self) -> Vec<u32> {
+        self.inner.tokens().to_vec()
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.inner.capacity()
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.layout().num_layers
+    }
+
+    #[getter]
+    fn bytes_per_token(&self) -> usize {
+        self.inner.layout().bytes_per_token()
+    }
+
+    #[getter]
+    fn is_shared(&self) -> bool {
+        self.inner.is_shared()
+    }
+
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+
+    /// Keeps the first n positions (negative: drops -n). Returns how many were dropped.
+    fn crop(&mut self, py: Python<'_>, n: i64) -> PyResult<usize> {
+        self.inner.crop(n).py_err(py)
+    }
+
+    fn fork(&self) -> KVCache {
+        KVCache { inner: self.inner.fork() }
+    }
+
+    fn keys<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let t = self.inner.layer_tensor(layer, false).py_err(py)?;
+        to_numpy(py, t)
+    }
+
+    fn values<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let t = self.inner.layer_tensor(layer, true).py_err(py)?;
+        to_numpy(py, t)
+    }
+}
+
+/// candle-transformers' `Llama`, as shipped.
+#[pyclass(frozen, module = "kvcandle._core")]
+struct UpstreamModel {
+    inner: Arc<UpstreamLlama>,
+}
+
+#[pymethods]
+impl UpstreamModel {
+    #[staticmethod]
+    fn load(py: Python<'_>, path: PathBuf, dtype: &str, device: &str) -> PyResult<Self> {
+        let dev = parse_device(device).py_err(py)?;
+        let dt = parse_dtype(dtype, &dev).py_err(py)?;
+        let model = py
+            .detach(|| loader::load(&path, dt, &dev).and_then(|w| UpstreamLlama::new(&w)))
+            .py_err(py)?;
+        Ok(Self { inner: Arc::new(model) })
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+
+    fn new_cache(&self, py: Python<'_>, use_kv_cache: bool) -> PyResult<UpstreamKVCache> {
+        Ok(UpstreamKVCache { inner: self.inner.new_cache(use_kv_cache).py_err(py)? })
+    }
+
+    fn forward<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<i64>,
+        index_pos: usize,
+        cache: &Bound<'py, UpstreamKVCache>,
+    ) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let mut guard = cache.try_borrow_mut().map_err(|_| {
+            to_py(py, Error::Cache("the cache is in use by another call".into()))
+        })?;
+        let cache: &mut UpstreamCache = &mut guard.inner;
+        let model = &self.inner;
+        let logits = py.detach(|| model.forward(&ids, index_pos, cache)).py_err(py)?;
+        to_numpy(py, logits)
+    }
+}
+
+/// candle-transformers' `Cache`, as shipped.
+#[pyclass(module = "kvcandle._core")]
+struct UpstreamKVCache {
+    inner: UpstreamCache,
+}
+
+#[pymethods]
+impl UpstreamKVCache {
+    #[getter]
+    fn use_kv_cache(&self) -> bool {
+        self.inner.use_kv_cache()
+    }
+
+    fn clone(&self) -> UpstreamKVCache {
+        UpstreamKVCache { inner: self.inner.clone_cache() }
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Model>()?;
+    m.add_class::<KVCache>()?;
+    m.add_class::<UpstreamModel>()?;
+    m.add_class::<UpstreamKVCache>()?;
+    m.add("compiled_devices", compiled_devices())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
