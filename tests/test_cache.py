@@ -1,0 +1,164 @@
+"""KVCache: length from Rust state, reset, O(1) crop, copy-on-write fork, inspection."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcandle
+from conftest import Shape, max_abs, write_hf_dir
+
+
+def run(model, ids, cache=None):
+    cache = cache if cache is not None else model.new_cache()
+    return model.forward(ids, cache, all_logits=True), cache
+
+
+def test_length_tokens_and_sizes(tiny):
+    cache = tiny.new_cache()
+    assert len(cache) == cache.seq_length == 0 and cache.tokens == [] and cache.nbytes == 0
+    tiny.forward([5, 6, 7], cache)
+    tiny.forward([8], cache)
+    assert len(cache) == cache.seq_length == 4
+    assert cache.tokens == [5, 6, 7, 8]
+    assert cache.max_length == tiny.config.max_position_embeddings == 64
+    c = tiny.config
+    assert cache.bytes_per_token == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    assert cache.nbytes == 4 * cache.bytes_per_token
+    assert cache.layers[0].keys.shape == (1, 2, 4, 8)
+    assert cache.layers[-1].values.shape == (1, 2, 4, 8)
+    assert len(cache.layers) == 2
+
+
+def test_empty_cache_layers_have_zero_length(tiny):
+    cache = tiny.new_cache()
+    assert cache.layers[0].keys.shape == (1, 2, 0, 8)
+
+
+def test_layer_index_out_of_range(tiny):
+    cache = tiny.new_cache()
+    with pytest.raises(IndexError, match="layer 2"):
+        cache.layers[2]
+    with pytest.raises(IndexError, match="layer -3"):
+        cache.layers[-3]
+
+
+def test_reset_keeps_storage_and_forgets_tokens(tiny):
+    cache = tiny.new_cache()
+    tiny.forward([1, 2, 3, 4, 5], cache)
+    capacity = cache.capacity
+    cache.reset()
+    assert len(cache) == 0 and cache.tokens == [] and cache.capacity == capacity
+    fresh, _ = run(tiny, [9, 8, 7])
+    again = tiny.forward([9, 8, 7], cache, all_logits=True)
+    assert max_abs(again, fresh) == 0.0
+
+
+@pytest.mark.parametrize("n,kept", [(4, 4), (0, 0), (7, 7), (-3, 4), (-7, 0)])
+def test_crop_keeps_a_prefix(tiny, n, kept):
+    ids = [3, 1, 4, 1, 5, 9, 2]
+    _, cache = run(tiny, ids)
+    capacity = cache.capacity
+    dropped = cache.crop(n)
+    assert dropped == 7 - kept and len(cache) == kept and cache.tokens == ids[:kept]
+    assert cache.capacity == capacity  # nothing reallocated: O(1)
+    # continuing after the crop equals running the prefix + new tokens from scratch
+    cont = tiny.forward([6, 5], cache, all_logits=True)
+    ref, _ = run(tiny, ids[:kept] + [6, 5])
+    assert max_abs(cont, ref[kept:]) <= 1e-5
+    assert max_abs(cache.layers[1].keys, _run_keys(tiny, ids[:kept] + [6, 5])) <= 1e-5
+
+
+def _run_keys(model, ids):
+    _, c = run(model, ids)
+    return c.layers[1].keys
+
+
+@pytest.mark.parametrize("n", [8, -8, 100])
+def test_crop_out_of_range_raises_value_error_and_keeps_cache(tiny, n):
+    _, cache = run(tiny, list(range(7)))
+    keys = cache.layers[0].keys
+    with pytest.raises(ValueError, match=f"cannot crop to {n}") as e:
+        cache.crop(n)
+    assert isinstance(e.value, kvcandle.InputError)
+    assert len(cache) == 7 and cache.tokens == list(range(7))
+    assert np.array_equal(cache.layers[0].keys, keys)
+
+
+def test_crop_rejects_non_int(tiny):
+    cache = tiny.new_cache()
+    with pytest.raises(TypeError, match="n must be an int"):
+        cache.crop(1.5)  # type: ignore[arg-type]
+
+
+def test_fork_shares_until_append_then_isolates(tiny):
+    prefix = [10, 20, 30]
+    _, base = run(tiny, prefix)
+    other = base.fork()
+    assert other.tokens == prefix and len(other) == 3
+    assert base.is_shared and other.is_shared
+    assert other.capacity == base.capacity  # same storage, nothing copied
+
+    a = tiny.forward([40, 41], base, all_logits=True)
+    b = tiny.forward([50, 51, 52], other, all_logits=True)
+    ref_a, ca = run(tiny, prefix + [40, 41])
+    ref_b, cb = run(tiny, prefix + [50, 51, 52])
+    assert max_abs(a, ref_a[3:]) <= 1e-5 and max_abs(b, ref_b[3:]) <= 1e-5
+    for layer in range(2):
+        assert max_abs(base.layers[layer].keys, ca.layers[layer].keys) <= 1e-5
+        assert max_abs(other.layers[layer].values, cb.layers[layer].values) <= 1e-5
+    # and each keeps going on its own
+    a2 = tiny.forward([42], base)
+    b2 = tiny.forward([53], other)
+    assert max_abs(a2, run(tiny, prefix + [40, 41, 42])[0][-1]) <= 1e-5
+    assert max_abs(b2, run(tiny, prefix + [50, 51, 52, 53])[0][-1]) <= 1e-5
+    assert base.tokens == prefix + [40, 41, 42] and other.tokens == prefix + [50, 51, 52, 53]
+
+
+def test_fork_of_cropped_cache_does_not_see_dropped_tail(tiny):
+    _, base = run(tiny, [1, 2, 3, 4, 5, 6])
+    base.crop(3)
+    child = base.fork()
+    out_child = tiny.forward([7], child)
+    out_base = tiny.forward([8, 9], base, all_logits=True)
+    assert max_abs(out_child, run(tiny, [1, 2, 3, 7])[0][-1]) <= 1e-5
+    assert max_abs(out_base, run(tiny, [1, 2, 3, 8, 9])[0][3:]) <= 1e-5
+
+
+def test_parent_append_after_fork_does_not_leak_into_child(tiny):
+    _, base = run(tiny, [1, 2, 3])
+    child = base.fork()
+    tiny.forward([4, 5], base)
+    assert len(child) == 3
+    assert max_abs(child.layers[0].keys, run(tiny, [1, 2, 3])[1].layers[0].keys) == 0.0
+    out = tiny.forward([6], child)
+    assert max_abs(out, run(tiny, [1, 2, 3, 6])[0][-1]) <= 1e-5
+
+
+def test_storage_grows_geometrically_without_changing_results(tmp_path):
+    model = kvcandle.load(write_hf_dir(tmp_path / "long", Shape("long", max_pos=300, layers=1)))
+    cache = model.new_cache()
+    ids = np.random.default_rng(0).integers(0, 101, 300).tolist()
+    model.forward(ids[:10], cache)
+    capacities = [cache.capacity]
+    for t in ids[10:]:
+        model.forward([t], cache)
+        if cache.capacity != capacities[-1]:
+            capacities.append(cache.capacity)
+    assert capacities == [64, 128, 256, 300]  # doubling, capped at the context length
+    assert len(cache) == 300 == cache.max_length
+    _, ref = run(model, ids)
+    assert max_abs(cache.layers[0].keys, ref.layers[0].keys) <= 1e-5
+    assert max_abs(cache.layers[0].values, ref.layers[0].values) <= 1e-5
+
+
+def test_forward_without_cache_runs_on_a_fresh_one(tiny):
+    a = tiny.forward([1, 2, 3])
+    b = tiny.forward([1, 2, 3], tiny.new_cache())
+    assert a.shape == (101,) and max_abs(a, b) == 0.0
+
+
+def test_numpy_ids_accepted(tiny):
+    a = tiny.forward(np.array([1, 2, 3], dtype=np.int32))
+    b = tiny.forward(np.array([1, 2, 3], dtype=np.uint64))
+    assert max_abs(a, b) == 0.0
