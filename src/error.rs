@@ -38,10 +38,21 @@ pub enum Error {
 
     /// An error inside candle while computing.
     #[error("engine error: {0}")]
-    Engine(#[from] candle_core::Error),
+    Engine(candle_core::Error),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<candle_core::Error> for Error {
+    /// Keeps candle's message, not the backtrace candle attaches when RUST_BACKTRACE is set.
+    fn from(e: candle_core::Error) -> Self {
+        let mut e = e;
+        while let candle_core::Error::WithBacktrace { inner, .. } = e {
+            e = *inner;
+        }
+        Error::Engine(e)
+    }
+}
 
 impl Error {
     pub(crate) fn load(path: impl Into<PathBuf>, reason: impl std::fmt::Display) -> Self {

@@ -67,7 +67,7 @@ impl UpstreamLlama {
         }
         let x = Tensor::new(tokens.as_slice(), &self.device)?.unsqueeze(0)?;
         let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.model.forward(&x, index_pos, &mut cache.inner)))
-            .map_err(|_| Error::Cache("candle's Llama::forward panicked".into()))??;
+            .map_err(|_| Error::Engine(candle_core::Error::Msg("candle's Llama::forward panicked".into())))??;
         Ok(out.squeeze(0)?)
     }
 }

@@ -162,3 +162,27 @@ def test_numpy_ids_accepted(tiny):
     a = tiny.forward(np.array([1, 2, 3], dtype=np.int32))
     b = tiny.forward(np.array([1, 2, 3], dtype=np.uint64))
     assert max_abs(a, b) == 0.0
+
+
+def test_prefill_runs_only_what_the_cache_lacks(tiny):
+    cache = tiny.new_cache()
+    tiny.forward([1, 2, 3], cache)
+    keys_before = cache.layers[0].keys
+    logits = tiny.prefill([1, 2, 3, 4, 5], cache)
+    assert cache.tokens == [1, 2, 3, 4, 5]
+    assert np.array_equal(cache.layers[0].keys[:, :, :3], keys_before)  # prefix untouched
+    assert max_abs(logits, tiny.forward([1, 2, 3, 4, 5])) <= 1e-5
+    again = tiny.prefill([1, 2, 3, 4, 5], cache)  # all cached: last position recomputed
+    assert len(cache) == 5 and max_abs(again, logits) <= 1e-5
+
+
+def test_prefill_refuses_a_cache_that_is_not_a_prefix(tiny):
+    cache = tiny.new_cache()
+    tiny.forward([1, 2, 3, 4], cache)
+    with pytest.raises(kvcandle.CacheError, match=r"first difference at position 2\); crop\(2\)"):
+        tiny.prefill([1, 2, 9], cache)
+    assert cache.tokens == [1, 2, 3, 4]
+    with pytest.raises(kvcandle.CacheError, match="first difference at position 3"):
+        tiny.prefill([1, 2, 3], cache)  # the cache holds more than the prompt
+    cache.crop(2)
+    assert max_abs(tiny.prefill([1, 2, 9], cache), tiny.forward([1, 2, 9])) <= 1e-5

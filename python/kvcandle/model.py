@@ -12,6 +12,7 @@ import numpy as np
 from . import _core
 from ._default import default_model_path
 from .cache import KVCache
+from .errors import CacheError
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -95,6 +96,41 @@ class Model:
             raise TypeError(f"cache must be a kvcandle.KVCache, got {type(cache).__name__}")
         return self._inner.forward(as_ids(ids), cache._inner, bool(all_logits))
 
+    def prefill(self, ids: Ids, cache: KVCache) -> np.ndarray:
+        """Makes ``cache`` hold exactly ``ids``, running only the tokens it lacks.
+
+        Unlike :meth:`forward`, which appends, ``ids`` here is the whole sequence (a
+        prompt, a conversation so far). The cache must hold a prefix of it; a cache that
+        holds something else is never silently extended.
+
+        Args:
+            ids: the full token sequence.
+            cache: a cache of this model holding a prefix of ``ids``.
+
+        Returns:
+            float32 logits of the last position, shape ``(vocab,)``.
+
+        Raises:
+            CacheError: the cache holds tokens that are not a prefix of ``ids``; the
+                message names the first differing position. ``cache.crop(i)``,
+                ``cache.reset()`` or ``cache.fork()`` first, then prefill again.
+            And everything :meth:`forward` raises.
+        """
+        wanted = as_ids(ids)
+        held = cache.tokens
+        common = common_prefix(held, wanted)
+        if common < len(held):
+            raise CacheError(
+                f"the cache holds {len(held)} tokens that are not a prefix of these {len(wanted)} ids "
+                f"(first difference at position {common}); crop({common}), reset() or fork() the cache first"
+            )
+        if not wanted:
+            return self.forward(wanted, cache)  # raises InputError: ids is empty
+        if common == len(wanted):
+            cache.crop(common - 1)  # everything is cached: recompute the last position for its logits
+            common -= 1
+        return self.forward(wanted[common:], cache)
+
     def upstream(self) -> "UpstreamModel":
         """candle-transformers' own Llama on the same weights (shared, not copied)."""
         from .upstream import UpstreamModel
@@ -107,6 +143,16 @@ class Model:
             f"Model({self.path.name!r}, layers={c.num_hidden_layers}, heads={c.num_attention_heads}, "
             f"kv_heads={c.num_key_value_heads}, dtype={self.dtype!r}, device={self.device!r})"
         )
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def as_ids(ids: object) -> list[int]:
