@@ -11,7 +11,6 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 from conftest import SHAPES, max_abs
 
-torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from .errors import (
     PositionError,
     TokenIdError,
 )
+from .generate import GenerationResult, Piece, generate, generate_step, stream_generate
 from .model import Model, ModelConfig, load
 from .tokenizer import Tokenizer
 
@@ -31,6 +32,11 @@ __all__ = [
     "compiled_devices",
     "default_model_path",
     "load",
+    "generate",
+    "stream_generate",
+    "generate_step",
+    "GenerationResult",
+    "Piece",
     "Model",
     "ModelConfig",
     "KVCache",

@@ -10,6 +10,7 @@ The test suite (tests/test_parity.py) calls the same functions and asserts on th
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -84,6 +85,9 @@ class Transformers:
         from ._default import default_model_path
 
         p = default_model_path() if path is None else __import__("pathlib").Path(path)
+        # transformers' own cache-vs-no-cache noise (the bar of experiment 2) depends on
+        # torch's thread count: pin it to every core, as the reference document ran it.
+        torch.set_num_threads(os.cpu_count() or 1)
         self.torch = torch
         self.DynamicCache = DynamicCache
         self.model = AutoModelForCausalLM.from_pretrained(

@@ -1,0 +1,242 @@
+"""Generation: ``generate_step`` (token ids) -> ``stream_generate`` (text pieces) ->
+``generate`` (one result).
+
+With a ``cache``, the prompt is the *whole* sequence: the cache is cropped back to the
+longest common prefix of its tokens and the prompt's (never mixed with something else),
+and only the rest is run. Afterwards the cache holds the prompt and every generated
+token but the last, so the next turn's prompt (the conversation so far) reuses it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Generator, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from .cache import KVCache
+from .model import Model, as_ids, common_prefix
+from .sampling import apply_repetition_penalty, check_settings, sample
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    """Tokens in the prompt."""
+    prefill_tokens: int = 0
+    """Prompt tokens actually run (the rest came from the cache)."""
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    """"eos", "stop" (a stop string), "length" (max_tokens) or "context" (cache full)."""
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.stats.prompt_tokens
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.stats.prefill_tps
+
+    @property
+    def decode_tps(self) -> float:
+        return self.stats.decode_tps
+
+
+@dataclass
+class Piece:
+    """One piece of streamed text; the last one carries the finish reason."""
+
+    text: str
+    tokens: list[int]
+    """Token ids generated since the previous piece (text may be held back across ids)."""
+    finish_reason: Optional[str] = None
+
+
+def encode_prompt(model: Model, prompt: Prompt) -> list[int]:
+    if isinstance(prompt, str):
+        if model.tokenizer is None:
+            raise ValueError(f"{model.path} has no tokenizer: pass the prompt as token ids")
+        ids = model.tokenizer.encode(prompt)
+    else:
+        ids = as_ids(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty: generation needs at least one token")
+    return ids
+
+
+def generate_step(
+    model: Model,
+    prompt_ids: Sequence[int],
+    cache: KVCache,
+    *,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    repetition_penalty: Optional[float] = None,
+    seed: Optional[int] = None,
+    stats: Optional[Stats] = None,
+) -> Generator[int, None, None]:
+    """Yields token ids forever (the caller stops). Each yielded token is fed to the
+    model only when the next one is asked for; the cache is cropped to the prompt's
+    longest common prefix first."""
+    check_settings(temperature, top_k, top_p, repetition_penalty)
+    stats = stats if stats is not None else Stats()
+    rng = np.random.default_rng(seed)
+    ids = list(prompt_ids)
+    keep = common_prefix(cache.tokens, ids)
+    if keep < len(cache):
+        cache.crop(keep)
+    stats.prompt_tokens = len(ids)
+    t0 = time.perf_counter()
+    run_from = min(keep, len(ids) - 1)
+    stats.prefill_tokens = len(ids) - run_from
+    logits = model.prefill(ids, cache)
+    stats.prefill_seconds = time.perf_counter() - t0
+    history = list(ids)
+    t1 = time.perf_counter()
+    while True:
+        if repetition_penalty is not None:
+            logits = apply_repetition_penalty(logits, history, repetition_penalty)
+        token = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
+        stats.generated_tokens += 1
+        stats.decode_seconds = time.perf_counter() - t1
+        yield token
+        history.append(token)
+        logits = model.forward([token], cache)
+
+
+def stream_generate(
+    model: Model,
+    prompt: Prompt,
+    *,
+    max_tokens: int = 256,
+    cache: Optional[KVCache] = None,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    repetition_penalty: Optional[float] = None,
+    seed: Optional[int] = None,
+    stop: Union[str, Sequence[str], None] = None,
+    stats: Optional[Stats] = None,
+) -> Iterator[Piece]:
+    """Yields the generated text piece by piece. A piece never ends inside a multi-byte
+    character, and text that could begin a stop string is held back until it cannot;
+    the pieces join to exactly :func:`generate`'s text."""
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path} has no tokenizer, so text cannot be streamed")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
+    tok = model.tokenizer
+    ids = encode_prompt(model, prompt)
+    cache = cache if cache is not None else model.new_cache()
+    stats = stats if stats is not None else Stats()
+    eos = set(tok.eos_token_ids) | set(model.config.eos_token_ids)
+    tokens: list[int] = []
+    pending: list[int] = []
+    sent = 0  # characters of the decoded text already yielded
+    steps = generate_step(
+        model, ids, cache, temperature=temperature, top_k=top_k, top_p=top_p,
+        repetition_penalty=repetition_penalty, seed=seed, stats=stats,
+    )
+    reason = "length"
+    for token in steps:
+        if token in eos:
+            reason = "eos"
+            break
+        tokens.append(token)
+        pending.append(token)
+        text = tok.decode(tokens)
+        hit = min((i for i in (text.find(s, max(0, sent - len(s))) for s in stops) if i >= 0), default=-1)
+        if hit >= 0:
+            yield Piece(text[sent:hit], pending)
+            pending = []
+            sent = hit
+            reason = "stop"
+            break
+        safe = len(text)
+        if text.endswith("\ufffd"):
+            safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence: wait for more bytes
+        for s in stops:  # hold back a suffix that may grow into a stop string
+            for n in range(min(len(s) - 1, safe - sent), 0, -1):
+                if text[:safe].endswith(s[:n]):
+                    safe -= n
+                    break
+        if safe > sent:
+            yield Piece(text[sent:safe], pending)
+            pending, sent = [], safe
+        if len(tokens) >= max_tokens:
+            break
+        if len(cache) + 1 > cache.max_length:
+            reason = "context"
+            break
+    steps.close()
+    text = tok.decode(tokens)
+    # an incomplete UTF-8 sequence at the very end (cut by max_tokens) is not text
+    tail = text[sent:].rstrip("\ufffd") if reason != "stop" else ""
+    yield Piece(tail, pending, reason)
+
+
+def generate(
+    model: Model,
+    prompt: Prompt,
+    *,
+    max_tokens: int = 256,
+    cache: Optional[KVCache] = None,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    repetition_penalty: Optional[float] = None,
+    seed: Optional[int] = None,
+    stop: Union[str, Sequence[str], None] = None,
+) -> GenerationResult:
+    """Generates a continuation of ``prompt`` (a str or token ids).
+
+    Args:
+        model: the model.
+        prompt: the whole prompt; with ``cache``, only what the cache lacks is run.
+        max_tokens: the most tokens to generate.
+        cache: a cache to reuse and extend (cropped to its common prefix with the prompt).
+        temperature: 0 is greedy; otherwise sampling, reproducible with ``seed``.
+        top_k, top_p, repetition_penalty: sampling filters.
+        stop: strings that end generation; the text ends before the first one.
+
+    Returns:
+        The text, the generated token ids, the finish reason and timings.
+    """
+    stats = Stats()
+    pieces: list[str] = []
+    reason = "length"
+    token_list: list[int] = []
+    for piece in stream_generate(
+        model, prompt, max_tokens=max_tokens, cache=cache, temperature=temperature, top_k=top_k,
+        top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, stats=stats,
+    ):
+        pieces.append(piece.text)
+        token_list.extend(piece.tokens)
+        if piece.finish_reason is not None:
+            reason = piece.finish_reason
+    return GenerationResult("".join(pieces), token_list, reason, stats)

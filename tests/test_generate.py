@@ -1,0 +1,121 @@
+"""generate / stream_generate: greedy equals the manual loop, streaming never splits a
+character and joins to generate's text, stop strings, EOS, seeded sampling, cache reuse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcandle
+from kvcandle import parity
+from kvcandle.sampling import sample, top_k_filter, top_p_filter
+
+CHAT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_greedy_equals_manual_loop(default_model):
+    ids = default_model.tokenizer.encode(parity.PROMPT)
+    r = kvcandle.generate(default_model, parity.PROMPT, max_tokens=20)
+    assert r.tokens == parity.kv_greedy(default_model, ids, 20)
+    assert r.text == default_model.tokenizer.decode(r.tokens) and r.finish_reason == "length"
+    assert r.prompt_tokens == 5 and r.decode_tps > 0 and r.prefill_tps > 0
+
+
+@pytest.mark.parametrize("prompt", ["用中文介绍一下北京：", "Reply with three emoji: 🎉", parity.PROMPT])
+def test_stream_joins_to_generate_and_never_splits_characters(default_model, prompt):
+    pieces = list(kvcandle.stream_generate(default_model, prompt, max_tokens=30))
+    result = kvcandle.generate(default_model, prompt, max_tokens=30)
+    assert "".join(p.text for p in pieces) == result.text
+    assert all("\ufffd" not in p.text for p in pieces)
+    assert sum(len(p.tokens) for p in pieces) == len(result.tokens)
+    assert pieces[-1].finish_reason == result.finish_reason
+    assert len(result.tokens) == 30 if result.finish_reason == "length" else result.finish_reason == "eos"
+
+
+def test_stop_string(default_model):
+    full = kvcandle.generate(default_model, parity.PROMPT, max_tokens=20).text  # " Paris.\n\nThe answer is: ..."
+    r = kvcandle.generate(default_model, parity.PROMPT, max_tokens=20, stop=["answer"])
+    assert r.finish_reason == "stop" and r.text == full[: full.index("answer")]
+    pieces = list(kvcandle.stream_generate(default_model, parity.PROMPT, max_tokens=20, stop="answer"))
+    assert "".join(p.text for p in pieces) == r.text
+
+
+def test_eos_ends_generation(default_model):
+    r = kvcandle.generate(default_model, CHAT, max_tokens=64)
+    assert r.finish_reason == "eos" and "Paris" in r.text
+    assert 2 not in r.tokens  # <|im_end|> is the EOS id
+
+
+def test_seeded_sampling(default_model):
+    kw = dict(max_tokens=15, temperature=0.9, top_k=50, top_p=0.95)
+    a = kvcandle.generate(default_model, parity.PROMPT, seed=1, **kw)
+    b = kvcandle.generate(default_model, parity.PROMPT, seed=1, **kw)
+    c = kvcandle.generate(default_model, parity.PROMPT, seed=2, **kw)
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+
+
+def test_cache_reuse_runs_only_new_tokens(default_model):
+    cache = default_model.new_cache()
+    first = kvcandle.generate(default_model, CHAT, max_tokens=64, cache=cache)
+    assert first.stats.prefill_tokens == first.prompt_tokens
+    convo = default_model.tokenizer.encode(CHAT) + first.tokens + [2] + default_model.tokenizer.encode(
+        "\n<|im_start|>user\nAnd of Germany?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    held = len(cache)
+    second = kvcandle.generate(default_model, convo, max_tokens=40, cache=cache)
+    fresh = kvcandle.generate(default_model, convo, max_tokens=40)
+    assert second.stats.prefill_tokens == len(convo) - held
+    assert second.tokens == fresh.tokens
+
+
+def test_diverging_prompt_crops_to_common_prefix(default_model):
+    cache = default_model.new_cache()
+    kvcandle.generate(default_model, parity.PROMPT, max_tokens=10, cache=cache)
+    r = kvcandle.generate(default_model, "The capital of Germany is", max_tokens=10, cache=cache)
+    assert r.stats.prefill_tokens == 2  # "The capital of" reused
+    assert r.tokens == kvcandle.generate(default_model, "The capital of Germany is", max_tokens=10).tokens
+    assert cache.tokens[:5] == default_model.tokenizer.encode("The capital of Germany is")
+
+
+def test_context_length_is_a_finish_reason(tmp_path):
+    from conftest import SHAPES
+    from test_loading import write_gguf
+
+    model = kvcandle.load(write_gguf(tmp_path / "tiny.gguf", SHAPES[0]))  # context 64, with a tokenizer
+    model.config.eos_token_ids.clear()
+    model.tokenizer.eos_token_ids.clear()
+    cache = model.new_cache()
+    r = kvcandle.generate(model, "abcdefghij", max_tokens=500, cache=cache)
+    assert r.finish_reason == "context"
+    assert len(cache) == 64 and len(r.tokens) == 64 - 10 + 1
+
+
+def test_without_tokenizer_text_cannot_be_generated(tiny):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        kvcandle.generate(tiny, [1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_bad_settings(default_model, kw, message):
+    with pytest.raises(ValueError, match=message):
+        kvcandle.generate(default_model, "hi", **kw)
+
+
+def test_sampling_functions():
+    logits = np.array([1.0, 3.0, 2.0, 0.5], dtype=np.float32)
+    assert sample(logits) == 1
+    assert np.isneginf(top_k_filter(logits, 2)).tolist() == [True, False, False, True]
+    p = np.exp(logits) / np.exp(logits).sum()
+    kept = ~np.isneginf(top_p_filter(logits, float(p[1]) + 1e-3))
+    assert kept.tolist() == [False, True, True, False]
+    draws = {sample(logits, temperature=1.0, top_k=2, rng=np.random.default_rng(s)) for s in range(50)}
+    assert draws == {1, 2}
