@@ -106,3 +106,21 @@ def test_7_tokenizer(default_model, tf):
     # the special tokens stay whole
     chat = next(t for t in results if t["text"].startswith("<|im_start|>system"))
     assert chat["ours"][0] == 1 and chat["ours"].count(2) == 2
+
+
+def test_chat_template_equals_transformers(default_model, tf):
+    conversations = [
+        [{"role": "user", "content": "Hi!"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And of Germany? 🇩🇪"},
+        ],
+    ]
+    for messages in conversations:
+        for gen in (True, False):
+            ours = default_model.tokenizer.apply_chat_template(messages, add_generation_prompt=gen)
+            theirs = tf.tokenizer.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+            assert ours == theirs
+            assert default_model.tokenizer.encode(ours) == tf.tokenizer.encode(theirs)

@@ -23,7 +23,7 @@ from .errors import (
     PositionError,
     TokenIdError,
 )
-from .generate import GenerationResult, Piece, generate, generate_step, stream_generate
+from .generation import GenerationResult, Piece, generate, generate_step, stream_generate
 from .model import Model, ModelConfig, load
 from .tokenizer import Tokenizer
 

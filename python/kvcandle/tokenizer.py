@@ -32,6 +32,27 @@ def _byte_alphabet() -> dict[int, str]:
     return spelling
 
 
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> Any:
+    """A Jinja template compiled in a sandbox with the helpers chat templates expect."""
+    from datetime import datetime
+
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, indent: Optional[int] = None) -> str:
+        return json.dumps(value, indent=indent, ensure_ascii=False)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
 class Tokenizer:
     """Text to token ids and back.
 
@@ -82,6 +103,37 @@ class Tokenizer:
 
                 raise TokenIdError(f"token id {t} at index {i} is out of range: the vocabulary has {n} ids (0..{n})")
         return self._backend.decode(checked, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **extra: Any,
+    ) -> Any:
+        """Renders ``messages`` ([{"role": ..., "content": ...}]) with the model's chat
+        template (Jinja, sandboxed), as transformers' ``apply_chat_template`` does.
+
+        Returns:
+            The prompt text, or its token ids with ``tokenize=True``.
+
+        Raises:
+            ValueError: the model has no chat template, or the template rejects the messages.
+        """
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (tokenizer.chat_template in GGUF, chat_template in tokenizer_config.json)")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages[{i}] must be a dict with a 'role', got {m!r}")
+        text = _compile_template(self.chat_template).render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
+            eos_token=self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else "",
+            **extra,
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self._backend.token_to_id(token)

@@ -1,0 +1,93 @@
+"""The kvcandle command: generate, chat (piped), info, and its errors."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import kvcandle
+from kvcandle import cli
+
+
+class Pipe(io.StringIO):
+    def isatty(self) -> bool:
+        return False
+
+
+def run(argv, stdin: str = ""):
+    out, err = Pipe(), Pipe()
+    code = cli.main(argv, stdin=Pipe(stdin), stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_generate_equals_the_api(default_model):
+    code, out, err = run(["generate", "The capital of France is", "--max-tokens", "20"])
+    assert code == 0
+    assert out == kvcandle.generate(default_model, "The capital of France is", max_tokens=20).text + "\n"
+    assert "[prompt 5 tok (5 run) | generated 20 tok |" in err
+    assert "cache 24/8192 pos" in err and "keys (1, 3, 24, 64)" in err and "finish=length" in err
+
+
+def test_console_script_entry_point_runs_as_module():
+    r = subprocess.run(
+        [sys.executable, "-m", "kvcandle", "generate", "The capital of France is", "--max-tokens", "5"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(" Paris")
+
+
+def test_generate_stop_and_seed(default_model):
+    code, out, _ = run(["generate", "The capital of France is", "--max-tokens", "20", "--stop", "answer"])
+    assert code == 0 and out == " Paris.\n\nThe \n"
+    a = run(["generate", "Once upon a time", "--max-tokens", "12", "--temperature", "0.8", "--seed", "3"])[1]
+    b = run(["generate", "Once upon a time", "--max-tokens", "12", "--temperature", "0.8", "--seed", "3"])[1]
+    assert a == b
+
+
+def test_chat_undo_gives_the_same_answer_twice():
+    q = "What is the capital of France?"
+    code, out, err = run(["chat", "--max-tokens", "40"], stdin=f"{q}\n/undo\n{q}\n/stats\n")
+    assert code == 0, err
+    first, rest = out.split("(undone: cache back to 0 positions)\n")
+    second, stats = rest.split("(cache ")
+    assert first == second and "Paris" in first
+    assert "turns start at: 0)" in stats
+
+
+def test_chat_second_turn_runs_only_new_tokens(default_model, monkeypatch):
+    import kvcandle.generation as g
+
+    seen = []
+    real = g.generate_step
+
+    def spy(model, prompt_ids, cache, **kw):
+        seen.append((len(prompt_ids), len(cache)))
+        return real(model, prompt_ids, cache, **kw)
+
+    monkeypatch.setattr(g, "generate_step", spy)
+    code, out, err = run(["chat", "--max-tokens", "30"], stdin="Hi!\nWhat is 2+2?\n")
+    assert code == 0, err
+    (p1, c1), (p2, c2) = seen
+    assert c1 == 0 and c2 > p1  # the second turn started from the first turn's cache
+    assert p2 - c2 < 20  # only the new turn's few tokens were left to run
+
+
+def test_info(default_model):
+    code, out, _ = run(["info"])
+    assert code == 0
+    assert "key/value heads" in out and " 3\n" in out
+    assert f"{default_model.new_cache().bytes_per_token:,}" in out
+    assert "context length               8192" in out
+
+
+def test_missing_model_is_a_one_line_error(tmp_path):
+    for argv in (["generate", "hi"], ["chat"], ["info"]):
+        code, out, err = run([*argv, "--model", str(tmp_path / "nope.gguf")])
+        assert code == 1 and err.startswith("kvcandle: error: model not found:") and err.count("\n") == 1
+
+
+def test_chat_needs_a_template(tiny_dirs):
+    code, _, err = run(["chat", "--model", str(tiny_dirs["gqa"])], stdin="hi\n")
+    assert code == 1 and "chat template" in err
