@@ -5,6 +5,7 @@ pub mod cache;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod linear;
 pub mod loader;
 pub mod model;
 pub mod rope;

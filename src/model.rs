@@ -4,11 +4,12 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
-use candle_nn::{Embedding, Linear, RmsNorm};
+use candle_nn::{Embedding, RmsNorm};
 
 use crate::cache::{CacheLayout, KvCache};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::linear::Linear;
 use crate::loader::Weights;
 use crate::rope::Rope;
 
@@ -55,7 +56,7 @@ impl Llama {
     /// Builds the engine from loaded weights (shapes already checked by the loader).
     pub fn new(w: &Weights) -> Result<Self> {
         let c = &w.config;
-        let linear = |name: &str| -> Result<Linear> { Ok(Linear::new(w.get(&format!("{name}.weight"))?.clone(), None)) };
+        let linear = |name: &str| -> Result<Linear> { Ok(Linear::new(w.get(&format!("{name}.weight"))?.clone())?) };
         let norm = |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(w.get(&format!("{name}.weight"))?.clone(), c.rms_norm_eps)) };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
@@ -77,7 +78,7 @@ impl Llama {
             });
         }
         let embeddings = w.get("model.embed_tokens.weight")?.clone();
-        let lm_head = if c.tie_word_embeddings { Linear::new(embeddings.clone(), None) } else { linear("lm_head")? };
+        let lm_head = if c.tie_word_embeddings { Linear::new(embeddings.clone())? } else { linear("lm_head")? };
         let dtype = embeddings.dtype();
         let device = embeddings.device().clone();
         Ok(Self {
