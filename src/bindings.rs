@@ -109,13 +109,23 @@ struct Model {
 
 #[pymethods]
 impl Model {
+    /// `progress(done, total)` is called as tensors (GGUF) or files (safetensors) load.
     #[staticmethod]
-    fn load(py: Python<'_>, path: PathBuf, dtype: &str, device: &str) -> PyResult<Self> {
+    #[pyo3(signature = (path, dtype, device, progress=None))]
+    fn load(py: Python<'_>, path: PathBuf, dtype: &str, device: &str, progress: Option<Py<PyAny>>) -> PyResult<Self> {
         let dev = parse_device(device).py_err(py)?;
         let dt = parse_dtype(dtype, &dev).py_err(py)?;
+        let report = |done: usize, total: usize| {
+            if let Some(callback) = &progress {
+                // A failing callback must not fail the load; its error is dropped.
+                Python::attach(|py| {
+                    let _ = callback.call1(py, (done, total));
+                });
+            }
+        };
         let (weights, model) = py
             .detach(|| -> crate::Result<(Weights, Llama)> {
-                let w = loader::load(&path, dt, &dev)?;
+                let w = loader::load_with_progress(&path, dt, &dev, &report)?;
                 let m = Llama::new(&w)?;
                 Ok((w, m))
             })

@@ -91,3 +91,36 @@ def test_missing_model_is_a_one_line_error(tmp_path):
 def test_chat_needs_a_template(tiny_dirs):
     code, _, err = run(["chat", "--model", str(tiny_dirs["gqa"])], stdin="hi\n")
     assert code == 1 and "chat template" in err
+
+
+class InterruptingPipe(Pipe):
+    """An output that raises KeyboardInterrupt (as Ctrl-C would) at its n-th write."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+
+    def write(self, s: str) -> int:
+        self.after -= 1
+        if self.after == 0:
+            raise KeyboardInterrupt
+        return super().write(s)
+
+
+def test_ctrl_c_in_generate_prints_stats_and_exits_130():
+    out, err = InterruptingPipe(4), Pipe()
+    code = cli.main(["generate", "The capital of France is", "--max-tokens", "50"], stdin=Pipe(), stdout=out, stderr=err)
+    assert code == 130 and "finish=interrupted" in err.getvalue()
+
+
+def test_ctrl_c_in_chat_keeps_the_cache_consistent(default_model):
+    q = "What is the capital of France?"
+    out, err = InterruptingPipe(3), Pipe()
+    code = cli.main(["chat", "--max-tokens", "40"], stdin=Pipe(f"{q}\n/undo\n{q}\n"), stdout=out, stderr=err)
+    assert code == 0, err.getvalue()
+    text = out.getvalue()
+    assert "(interrupted)" in text and "(undone: cache back to 0 positions)" in text
+    # after the interrupted reply was undone, the same question gets the full, uninterrupted answer
+    answer = text.split("(undone: cache back to 0 positions)\n")[1]
+    _, clean, _ = run(["chat", "--max-tokens", "40"], stdin=f"{q}\n")
+    assert answer == clean

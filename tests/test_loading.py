@@ -254,3 +254,21 @@ def test_dtypes(tiny_dirs):
 
 def test_cpu_is_always_compiled():
     assert "cpu" in kvcandle.compiled_devices
+
+
+def test_progress_is_reported(tmp_path):
+    seen: list[tuple[int, int]] = []
+    kvcandle.load(write_gguf(tmp_path / "m.gguf", SHAPES[0]), progress=lambda d, t: seen.append((d, t)))
+    total = 2 + 1 + 9 * SHAPES[0].layers  # embeddings, final norm, lm_head, 9 per layer
+    assert seen == [(i, total) for i in range(1, total + 1)]
+    files: list[tuple[int, int]] = []
+    kvcandle.load(write_hf_dir(tmp_path / "sh", SHAPES[0], shards=3), progress=lambda d, t: files.append((d, t)))
+    assert files == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_failing_progress_callback_does_not_fail_the_load(tiny_dirs):
+    def boom(done: int, total: int) -> None:
+        raise RuntimeError("callback failed")
+
+    model = kvcandle.load(tiny_dirs["gqa"], progress=boom)
+    assert model.forward([1, 2]).shape == (101,)

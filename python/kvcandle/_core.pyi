@@ -1,7 +1,7 @@
 """The Rust extension module. Use it through the ``kvcandle`` package."""
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from typing_extensions import final
@@ -14,7 +14,12 @@ compiled_devices: list[str]
 @final
 class Model:
     @staticmethod
-    def load(path: str | os.PathLike[str], dtype: str, device: str) -> Model: ...
+    def load(
+        path: str | os.PathLike[str],
+        dtype: str,
+        device: str,
+        progress: Callable[[int, int], object] | None = None,
+    ) -> Model: ...
     def config(self) -> dict[str, Any]: ...
     @property
     def dtype(self) -> str: ...

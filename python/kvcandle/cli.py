@@ -25,28 +25,35 @@ class CommandError(Exception):
 
 
 def load_with_progress(path: Optional[str], err: IO[str]) -> Model:
-    """Loads the model; when that takes more than a second and stderr is a terminal, an
-    elapsed-time indicator runs until it is done (loading runs with the GIL released)."""
+    """Loads the model; when that takes more than a second and stderr is a terminal, a
+    progress bar (tensors or files loaded) runs until it is done. Loading runs in Rust
+    with the GIL released, so the bar is drawn from another thread."""
     done = threading.Event()
-    name = path or "SmolLM2-135M-Instruct (default)"
+    state = [0, 0]  # done, total, as reported by the loader
+    name = path or "SmolLM2-135M-Instruct"
 
-    def indicate() -> None:
+    def report(n: int, total: int) -> None:
+        state[0], state[1] = n, total
+
+    def draw() -> None:
         if done.wait(1.0) or not err.isatty():
             return
         start = time.perf_counter() - 1.0
-        frames = "|/-\\"
-        i = 0
+        width = 0
         while not done.wait(0.1):
-            err.write(f"\r{frames[i % 4]} loading {name} ... {time.perf_counter() - start:.1f}s")
+            n, total = state
+            filled = int(30 * n / total) if total else 0
+            line = f"\rloading {name} [{'#' * filled}{'.' * (30 - filled)}] {n}/{total or '?'} {time.perf_counter() - start:.1f}s"
+            width = max(width, len(line))
+            err.write(line)
             err.flush()
-            i += 1
-        err.write("\r" + " " * (len(name) + 30) + "\r")
+        err.write("\r" + " " * width + "\r")
         err.flush()
 
-    thread = threading.Thread(target=indicate, daemon=True)
+    thread = threading.Thread(target=draw, daemon=True)
     thread.start()
     try:
-        return load(path)
+        return load(path, progress=report)
     finally:
         done.set()
         thread.join()

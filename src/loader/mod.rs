@@ -73,19 +73,28 @@ impl Weights {
     }
 }
 
+/// Called as loading advances with (units done, units in all): tensors for GGUF,
+/// files for safetensors.
+pub type Progress<'a> = &'a (dyn Fn(usize, usize) + Sync);
+
 /// Loads a GGUF file or a Hugging Face directory.
 ///
 /// Panics inside candle's readers (a malformed file can trigger some) are turned into
 /// [`Error::Load`], so no panic ever leaves this function.
 pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<Weights> {
+    load_with_progress(path, dtype, device, &|_, _| {})
+}
+
+/// [`load`], reporting progress.
+pub fn load_with_progress(path: &Path, dtype: DType, device: &Device, progress: Progress<'_>) -> Result<Weights> {
     if !path.exists() {
         return Err(Error::NotFound { path: path.to_path_buf() });
     }
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         if path.is_dir() {
-            safetensors::load_dir(path, dtype, device)
+            safetensors::load_dir(path, dtype, device, progress)
         } else {
-            gguf::load_file(path, dtype, device)
+            gguf::load_file(path, dtype, device, progress)
         }
     }));
     let weights = match result {

@@ -7,23 +7,25 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 use candle_transformers::models::llama::{LlamaConfig, LlamaEosToks};
 
-use super::Weights;
+use super::{Progress, Weights};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 
-pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<Weights> {
+pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device, progress: Progress<'_>) -> Result<Weights> {
     let config = read_config(dir)?;
     let mut tensors = HashMap::new();
-    for file in weight_files(dir)? {
-        let loaded = candle_core::safetensors::load(&file, &Device::Cpu)
-            .map_err(|e| Error::load(&file, format!("not a readable safetensors file: {e}")))?;
+    let files = weight_files(dir)?;
+    for (done, file) in files.iter().enumerate() {
+        let loaded = candle_core::safetensors::load(file, &Device::Cpu)
+            .map_err(|e| Error::load(file, format!("not a readable safetensors file: {e}")))?;
         for (name, t) in loaded {
             let t = t
                 .to_dtype(dtype)
                 .and_then(|t| t.to_device(device))
-                .map_err(|e| Error::load(&file, format!("tensor {name}: {e}")))?;
+                .map_err(|e| Error::load(file, format!("tensor {name}: {e}")))?;
             tensors.insert(name, t);
         }
+        progress(done + 1, files.len());
     }
     Ok(Weights { config, tensors, metadata: HashMap::new(), source: dir.to_path_buf(), format: "safetensors" })
 }
