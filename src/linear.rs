@@ -2,15 +2,16 @@
 //!
 //! candle's CPU matmul runs a single-row product (a decode step) on one thread, which
 //! leaves the other cores idle while the weights stream through one core's memory
-//! bandwidth. For a few rows, this layer splits the weight's output rows into one block
+//! bandwidth. For one row, this layer splits the weight's output rows into one block
 //! per thread (contiguous views: nothing is copied) and runs the blocks in parallel; the
 //! per-element reduction is the same, so results do not change. More rows go through
 //! candle's multi-threaded matmul as they are.
 
 use candle_core::{Module, Result, Tensor};
 
-/// Rows up to which the split path is used.
-const SPLIT_MAX_ROWS: usize = 4;
+/// Rows up to which the split path is used: single-row decode steps only, so that every
+/// multi-row product (prefill, chunks) takes the same path whatever its row count.
+const SPLIT_MAX_ROWS: usize = 1;
 
 pub struct Linear {
     inner: candle_nn::Linear,
