@@ -15,6 +15,9 @@ use crate::rope::Rope;
 
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
 
+/// Longest run of tokens one pass handles; longer inputs are split (see `Llama::forward`).
+pub const PREFILL_CHUNK: usize = 512;
+
 /// A fresh identity for a loaded model; caches remember the model that made them.
 pub(crate) fn next_model_id() -> u64 {
     NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed)
@@ -153,24 +156,51 @@ impl Llama {
     /// Runs `ids` at positions `len(cache)..`, appends their keys and values to the cache
     /// and returns float32 logits: (vocab,) for the last position, or (len(ids), vocab).
     /// On error the cache holds exactly what it held before.
+    ///
+    /// Long inputs run in chunks of [`PREFILL_CHUNK`] tokens, so attention scores never
+    /// take more than (heads, chunk, len) floats; rows are independent in every product,
+    /// so chunking does not change the results.
     pub fn forward(&self, ids: &[i64], cache: &mut KvCache, all_logits: bool) -> Result<Tensor> {
         let ids = self.check_input(ids, cache)?;
+        let start = cache.len();
+        let mut outputs = Vec::new();
+        let chunks: Vec<&[u32]> = ids.chunks(PREFILL_CHUNK).collect();
+        for (n, chunk) in chunks.iter().enumerate() {
+            let last = n + 1 == chunks.len();
+            match self.forward_chunk(chunk, cache, all_logits, last) {
+                Ok(Some(t)) => outputs.push(t),
+                Ok(None) => {}
+                Err(e) => {
+                    // earlier chunks were committed: take them back
+                    cache.crop(start as i64)?;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(if outputs.len() == 1 { outputs.pop().expect("one output") } else { Tensor::cat(&outputs, 0)? })
+    }
+
+    /// One chunk: appends it to the cache; returns its logits when asked for (all rows
+    /// with `all_logits`, else only the last row of the last chunk).
+    fn forward_chunk(&self, ids: &[u32], cache: &mut KvCache, all_logits: bool, last: bool) -> Result<Option<Tensor>> {
         let seq = ids.len();
         cache.reserve(seq)?;
-        let input = Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?;
+        let input = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
         let mut x = self.embed_tokens.forward(&input)?;
         let mask = causal_mask(seq, cache.len(), &self.device)?;
         for (i, layer) in self.layers.iter().enumerate() {
             x = self.layer_forward(i, layer, &x, cache, mask.as_ref())?;
         }
-        let x = self.norm.forward(&x)?;
         let logits = if all_logits {
-            self.lm_head.forward(&x)?.squeeze(0)?
+            Some(self.lm_head.forward(&self.norm.forward(&x)?)?.squeeze(0)?)
+        } else if last {
+            let x = self.norm.forward(&x)?;
+            Some(self.lm_head.forward(&x.i((.., seq - 1, ..))?.contiguous()?)?.squeeze(0)?)
         } else {
-            self.lm_head.forward(&x.i((.., seq - 1, ..))?.contiguous()?)?.squeeze(0)?
+            None
         };
-        let logits = logits.to_dtype(DType::F32)?;
-        cache.commit(&ids);
+        let logits = logits.map(|t| t.to_dtype(DType::F32)).transpose()?;
+        cache.commit(ids);
         Ok(logits)
     }
 

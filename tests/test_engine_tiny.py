@@ -80,3 +80,21 @@ def test_cache_keys_values_match_dynamic_cache(shape, tiny_models, reference):
         assert ours.keys.shape == tuple(theirs.keys.shape) == (1, shape.kv_heads, 9, shape.head_dim)
         assert max_abs(ours.keys, theirs.keys.numpy()) <= 1e-5
         assert max_abs(ours.values, theirs.values.numpy()) <= 1e-5
+
+
+def test_long_input_runs_in_chunks_and_matches_transformers(tmp_path):
+    from conftest import Shape, write_hf_dir
+
+    import kvcandle
+
+    shape = Shape("long", max_pos=1300, layers=1)
+    path = write_hf_dir(tmp_path / "long", shape)
+    model = kvcandle.load(path)
+    ref = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    ids = sequence(shape.vocab, 1200, 5)  # 512 + 512 + 176 inside forward
+    cache = model.new_cache()
+    ours = model.forward(ids, cache, all_logits=True)
+    assert ours.shape == (1200, shape.vocab) and len(cache) == 1200
+    assert max_abs(ours, ref_logits(ref, ids)) <= 1e-4
+    last = model.forward(ids, model.new_cache())
+    assert max_abs(last, ours[-1]) <= 1e-5
