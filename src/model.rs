@@ -135,17 +135,7 @@ impl Llama {
                 "this cache was made by another model: a cache holds one model's keys and values; use model.new_cache()".into(),
             ));
         }
-        if ids.is_empty() {
-            return Err(Error::Input("ids is empty: forward needs at least one token id".into()));
-        }
-        let vocab = self.config.vocab_size;
-        let mut out = Vec::with_capacity(ids.len());
-        for (index, &id) in ids.iter().enumerate() {
-            if id < 0 || id as u64 >= vocab as u64 {
-                return Err(Error::TokenId { id, index, vocab });
-            }
-            out.push(id as u32);
-        }
+        let out = token_ids(ids, self.config.vocab_size)?;
         let (len, limit) = (cache.len(), cache.max_len());
         if len + ids.len() > limit {
             return Err(Error::Position { offset: len, requested: ids.len(), limit, available: limit - len });
@@ -246,6 +236,20 @@ impl Llama {
         let y = y.reshape((b, heads, seq, d))?.transpose(1, 2)?.reshape((b, seq, heads * d))?;
         Ok(a.o_proj.forward(&y)?)
     }
+}
+
+/// Checks token ids are non-empty and inside the vocabulary; returns them as u32.
+pub(crate) fn token_ids(ids: &[i64], vocab: usize) -> Result<Vec<u32>> {
+    if ids.is_empty() {
+        return Err(Error::Input("ids is empty: forward needs at least one token id".into()));
+    }
+    ids.iter()
+        .enumerate()
+        .map(|(index, &id)| match u32::try_from(id) {
+            Ok(t) if (t as usize) < vocab => Ok(t),
+            _ => Err(Error::TokenId { id, index, vocab }),
+        })
+        .collect()
 }
 
 /// Additive causal mask (seq, offset + seq) for `seq` new tokens after `offset` cached

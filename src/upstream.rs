@@ -9,7 +9,7 @@ use candle_transformers::models::llama::{Cache, Config, Llama};
 
 use crate::error::{Error, Result};
 use crate::loader::Weights;
-use crate::model::next_model_id;
+use crate::model::{next_model_id, token_ids};
 
 pub struct UpstreamLlama {
     id: u64,
@@ -54,17 +54,7 @@ impl UpstreamLlama {
         if cache.model_id != self.id {
             return Err(Error::Cache("this upstream cache was made by another model".into()));
         }
-        if ids.is_empty() {
-            return Err(Error::Input("ids is empty: forward needs at least one token id".into()));
-        }
-        let vocab = self.config.vocab_size;
-        let mut tokens = Vec::with_capacity(ids.len());
-        for (index, &id) in ids.iter().enumerate() {
-            if id < 0 || id as u64 >= vocab as u64 {
-                return Err(Error::TokenId { id, index, vocab });
-            }
-            tokens.push(id as u32);
-        }
+        let tokens = token_ids(ids, self.config.vocab_size)?;
         let x = Tensor::new(tokens.as_slice(), &self.device)?.unsqueeze(0)?;
         let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.model.forward(&x, index_pos, &mut cache.inner)))
             .map_err(|_| Error::Engine(candle_core::Error::Msg("candle's Llama::forward panicked".into())))??;

@@ -16,7 +16,8 @@ from typing import Generator, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .cache import KVCache
-from .model import Model, as_ids, common_prefix
+from ._ids import as_ids, common_prefix
+from .model import Model
 from .sampling import apply_repetition_penalty, check_settings, sample
 
 Prompt = Union[str, Sequence[int]]

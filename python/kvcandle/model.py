@@ -5,20 +5,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import numpy as np
 
 from . import _core
 from ._default import default_model_path
+from ._ids import Ids, as_ids, common_prefix
 from .cache import KVCache
 from .errors import CacheError
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from .upstream import UpstreamModel
-
-Ids = Union[Sequence[int], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -143,34 +142,6 @@ class Model:
             f"Model({self.path.name!r}, layers={c.num_hidden_layers}, heads={c.num_attention_heads}, "
             f"kv_heads={c.num_key_value_heads}, dtype={self.dtype!r}, device={self.device!r})"
         )
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two id sequences."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def as_ids(ids: object) -> list[int]:
-    """Converts token ids to a list of Python ints, rejecting what is not ids."""
-    if isinstance(ids, np.ndarray):
-        if ids.ndim != 1:
-            raise TypeError(f"ids must be a 1-D array, got shape {ids.shape}")
-        if ids.dtype.kind not in "iu":
-            raise TypeError(f"ids must be an integer array, got dtype {ids.dtype}")
-        return [int(i) for i in ids.tolist()]
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise TypeError(f"ids must be a list of ints or a 1-D integer numpy array, got {type(ids).__name__}")
-    out = []
-    for i, x in enumerate(ids):
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise TypeError(f"ids[{i}] must be an int, got {type(x).__name__} {x!r}")
-        out.append(int(x))
-    return out
 
 
 def load(

@@ -297,13 +297,10 @@ def misuse(kv: Model, tf: Transformers) -> dict[str, Any]:
     except CacheError as e:
         kv_result = str(e)
     unchanged = cache.tokens == before
-    common = 3  # "The capital of"
-    cache.crop(common)
-    logits = kv.prefill(second, cache)
-    toks = [int(logits.argmax())]
+    cache.crop(3)  # keep "The capital of", the part both prompts share
+    kv_after_crop = [int(kv.prefill(second, cache).argmax())]
     for _ in range(19):
-        toks.append(int(kv.forward([toks[-1]], cache).argmax()))
-    kv_after_crop = toks
+        kv_after_crop.append(int(kv.forward([kv_after_crop[-1]], cache).argmax()))
     out["reuse"] = {
         "transformers_len": tf_cache.get_seq_length(),
         "transformers_reuse_equals_fresh": tf_reuse == tf_fresh,

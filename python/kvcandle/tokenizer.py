@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from tokenizers import AddedToken, Tokenizer as _HFTokenizer, decoders, models, pre_tokenizers
 
+from ._ids import as_ids
+from .errors import TokenIdError
+
 if TYPE_CHECKING:
     from . import _core
 
@@ -93,14 +96,10 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``."""
-        from .model import as_ids
-
         checked = as_ids(ids)
         n = self.vocab_size
         for i, t in enumerate(checked):
             if not 0 <= t < n:
-                from .errors import TokenIdError
-
                 raise TokenIdError(f"token id {t} at index {i} is out of range: the vocabulary has {n} ids (0..{n})")
         return self._backend.decode(checked, skip_special_tokens=skip_special_tokens)
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import numpy as np
 
 from . import _core
 from ._default import default_model_path
-from .model import Ids, as_ids
+from ._ids import Ids, as_ids
 
 
 class UpstreamCache:
