@@ -1,9 +1,12 @@
-"""Side-by-side speed of kvcandle and transformers on the default model, same machine,
-same run: prefill tok/s for a long prompt and greedy decode tok/s with a KV cache.
+"""Side-by-side speed of kvcandle, transformers and (when llama-cpp-python is installed)
+llama.cpp on the default model, same machine, same run: prefill tok/s for a long prompt
+and greedy decode tok/s with a KV cache.
 
     python bench/bench_generate.py [--decode 64] [--prompt-tokens 256] [--repeat 3]
 
-Prints each engine's best-of-N figures and kvcandle's ratio to transformers.
+kvcandle and transformers run the GGUF dequantized to float32; llama.cpp runs the same
+file as stored (Q4_1 weights, quantized matmuls), so it is the same model at a lower
+precision. Prints each engine's best-of-N figures and kvcandle's ratio to each.
 """
 
 from __future__ import annotations
@@ -58,13 +61,46 @@ def main() -> None:
     tf_dec = (best(tf_decode, args.repeat) - tf_short) / (args.decode - 1)
 
     rows = [
-        (f"prefill {args.prompt_tokens} tokens (tok/s)", args.prompt_tokens / kv_prefill, args.prompt_tokens / tf_prefill),
-        (f"greedy decode, {args.decode} tokens (tok/s)", 1 / kv_dec, 1 / tf_dec),
+        [f"prefill {args.prompt_tokens} tokens (tok/s)", args.prompt_tokens / kv_prefill, args.prompt_tokens / tf_prefill],
+        [f"greedy decode, {args.decode} tokens (tok/s)", 1 / kv_dec, 1 / tf_dec],
     ]
-    print(f"| {'measure':40} | {'kvcandle':>10} | {'transformers':>12} | {'kvcandle / transformers':>23} |")
-    print(f"|{'-' * 42}|{'-' * 12}|{'-' * 14}|{'-' * 25}|")
-    for name, a, b in rows:
-        print(f"| {name:40} | {a:10.1f} | {b:12.1f} | {a / b:22.2f}x |")
+    header = ["measure", "kvcandle f32", "transformers f32", "kvcandle / transformers"]
+    llama = llama_cpp_timings(long_prompt, short, args)
+    if llama is not None:
+        rows[0].append(args.prompt_tokens / llama[0])
+        rows[1].append(1 / llama[1])
+        header += ["llama.cpp Q4_1", "kvcandle / llama.cpp"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    for name, a, b, *c in rows:
+        cells = [name, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}x"] + ([f"{c[0]:.1f}", f"{a / c[0]:.2f}x"] if c else [])
+        print("| " + " | ".join(cells) + " |")
+
+
+def llama_cpp_timings(long_prompt: list[int], short: list[int], args: argparse.Namespace):
+    """(prefill seconds, seconds per decode token) for llama.cpp, or None if absent."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama.cpp: llama-cpp-python is not installed; skipped")
+        return None
+    llm = Llama(model_path=str(kvcandle.default_model_path()), n_ctx=2048, n_threads=os.cpu_count(), n_batch=512, verbose=False)
+
+    def prefill() -> None:
+        llm.reset()
+        llm.eval(long_prompt)
+
+    def decode() -> None:
+        llm.reset()
+        llm.eval(short)
+        for _ in range(args.decode - 1):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+
+    def short_prefill() -> None:
+        llm.reset()
+        llm.eval(short)
+
+    return best(prefill, args.repeat), (best(decode, args.repeat) - best(short_prefill, args.repeat)) / (args.decode - 1)
 
 
 if __name__ == "__main__":

@@ -162,10 +162,9 @@ impl KvCache {
                 }
             }
         }
-        let capacity = needed
-            .max(self.capacity() * 2)
-            .max(MIN_CAPACITY)
-            .min(self.layout.max_len);
+        // Room to double what the cache holds: geometric growth when it fills up, and a
+        // fork copying its prefix out of shared storage gets headroom, not the old size.
+        let capacity = needed.max(2 * len).max(MIN_CAPACITY).min(self.layout.max_len);
         let fresh = Store::new(&self.layout, capacity)?;
         if len > 0 {
             let old = self.store.as_ref().expect("a non-empty cache has a store");
