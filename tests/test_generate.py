@@ -119,3 +119,12 @@ def test_sampling_functions():
     assert kept.tolist() == [False, True, True, False]
     draws = {sample(logits, temperature=1.0, top_k=2, rng=np.random.default_rng(s)) for s in range(50)}
     assert draws == {1, 2}
+
+
+def test_chat_template_errors_are_value_errors(default_model):
+    tok = default_model.tokenizer
+    with pytest.raises(ValueError, match=r"messages\[0\] must be a dict with a 'role'"):
+        tok.apply_chat_template(["hello"])
+    with pytest.raises(ValueError, match="cannot render"):
+        tok.apply_chat_template([{"role": "user", "content": None}])  # the template concatenates strings
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)[:1] == [1]

@@ -125,13 +125,18 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role', got {m!r}")
-        text = _compile_template(self.chat_template).render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
-            eos_token=self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else "",
-            **extra,
-        )
+        from jinja2.exceptions import TemplateError
+
+        try:
+            text = _compile_template(self.chat_template).render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
+                eos_token=self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else "",
+                **extra,
+            )
+        except (TemplateError, TypeError, KeyError) as e:
+            raise ValueError(f"the chat template cannot render these messages: {e}") from e
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def token_to_id(self, token: str) -> Optional[int]:
