@@ -215,3 +215,62 @@ impl KvCache {
         Ok(if values { v } else { k }.contiguous()?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache() -> KvCache {
+        KvCache::new(1, CacheLayout { num_layers: 2, kv_heads: 2, head_dim: 4, max_len: 200, dtype: DType::F32, device: Device::Cpu })
+    }
+
+    /// Appends `n` positions whose keys and values all hold `value`.
+    fn append(c: &mut KvCache, n: usize, value: f32) {
+        c.reserve(n).unwrap();
+        let t = Tensor::full(value, (1, 2, n, 4), &Device::Cpu).unwrap();
+        for layer in 0..2 {
+            c.write(layer, &t, &t).unwrap();
+        }
+        c.commit(&vec![value as u32; n]);
+    }
+
+    fn position_values(c: &KvCache) -> Vec<f32> {
+        let k = c.layer_tensor(1, false).unwrap();
+        (0..c.len()).map(|p| k.narrow(2, p, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()[0]).collect()
+    }
+
+    #[test]
+    fn fork_is_copy_on_write() {
+        let mut a = cache();
+        append(&mut a, 3, 1.0);
+        let mut b = a.fork();
+        assert!(a.is_shared() && b.is_shared());
+        append(&mut a, 1, 2.0); // a owns the frontier: writes in place
+        append(&mut b, 2, 3.0); // b must copy its prefix first
+        assert!(!a.is_shared() && !b.is_shared());
+        assert_eq!(position_values(&a), vec![1.0, 1.0, 1.0, 2.0]);
+        assert_eq!(position_values(&b), vec![1.0, 1.0, 1.0, 3.0, 3.0]);
+    }
+
+    #[test]
+    fn crop_then_append_overwrites_only_the_dropped_tail() {
+        let mut a = cache();
+        append(&mut a, 5, 1.0);
+        assert_eq!(a.crop(-2).unwrap(), 2);
+        append(&mut a, 1, 4.0);
+        assert_eq!(position_values(&a), vec![1.0, 1.0, 1.0, 4.0]);
+        assert!(a.crop(5).is_err() && a.crop(-5).is_err());
+        assert_eq!(a.len(), 4);
+    }
+
+    #[test]
+    fn growth_keeps_contents_and_stops_at_the_context_length() {
+        let mut a = cache();
+        for i in 0..200 {
+            append(&mut a, 1, i as f32);
+        }
+        assert_eq!(a.capacity(), 200);
+        assert_eq!(position_values(&a), (0..200).map(|i| i as f32).collect::<Vec<_>>());
+        assert!(matches!(a.reserve(1), Err(Error::Position { offset: 200, limit: 200, .. })));
+    }
+}
