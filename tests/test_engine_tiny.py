@@ -4,6 +4,8 @@ chunked prefill, and the cache's keys and values."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -73,8 +75,10 @@ def test_cache_keys_values_match_dynamic_cache(shape, tiny_models, reference):
     model.forward(ids[:5], cache)
     model.forward(ids[5:], cache)
     dyn = DynamicCache(config=ref.config)
+    # transformers >= 5.24 names the argument `cache`; earlier 5.x `past_key_values`
+    kw = "cache" if "cache" in inspect.signature(ref.forward).parameters else "past_key_values"
     with torch.inference_mode():
-        ref(torch.tensor([ids]), past_key_values=dyn, use_cache=True)
+        ref(torch.tensor([ids]), **{kw: dyn}, use_cache=True)
     assert len(cache.layers) == len(dyn.layers) == shape.layers
     for ours, theirs in zip(cache.layers, dyn.layers):
         assert ours.keys.shape == tuple(theirs.keys.shape) == (1, shape.kv_heads, 9, shape.head_dim)
