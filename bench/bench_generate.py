@@ -4,9 +4,9 @@ and greedy decode tok/s with a KV cache.
 
     python bench/bench_generate.py [--decode 64] [--prompt-tokens 256] [--repeat 3]
 
-kvcandle and transformers run the GGUF dequantized to float32; llama.cpp runs the same
-file as stored (Q4_1 weights, quantized matmuls), so it is the same model at a lower
-precision. Prints each engine's best-of-N figures and kvcandle's ratio to each.
+kvcandle f32 and transformers run the GGUF dequantized to float32; kvcandle with
+quantized=True and llama.cpp run the file's Q4_1 blocks with int8 activations, the same
+model at a lower precision. Prints each engine's best-of-N figures and kvcandle's ratios.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def main() -> None:
     args = ap.parse_args()
 
     kv = kvcandle.load()
+    kq = kvcandle.load(quantized=True)
     tf = parity.Transformers()
     torch = tf.torch
     print(f"machine: {os.cpu_count()} cores; torch threads {torch.get_num_threads()}; kvcandle {kvcandle.__version__} ({kv.dtype}, {kv.device})")
@@ -45,36 +46,32 @@ def main() -> None:
     long_prompt = rng.integers(100, 40000, args.prompt_tokens).tolist()
     short = kv.tokenizer.encode(parity.PROMPT)
 
-    kv_prefill = best(lambda: kv.forward(long_prompt, kv.new_cache()), args.repeat)
+    def kvcandle_timings(model) -> tuple[float, float]:
+        prefill = best(lambda: model.forward(long_prompt, model.new_cache()), args.repeat)
+        short_prefill = best(lambda: model.forward(short, model.new_cache()), args.repeat)
+        greedy = best(lambda: parity.kv_greedy(model, short, args.decode), args.repeat)
+        return prefill, (greedy - short_prefill) / (args.decode - 1)
+
+    engines = {"kvcandle f32": kvcandle_timings(kv), "kvcandle Q4_1 (quantized=True)": kvcandle_timings(kq)}
     tf_prefill = best(lambda: tf.logits(long_prompt, tf.new_cache()), args.repeat)
-
-    def kv_decode() -> None:
-        parity.kv_greedy(kv, short, args.decode)
-
-    def tf_decode() -> None:
-        tf.greedy(short, args.decode)
-
-    # decode time = whole greedy run minus its prefill of the short prompt
-    kv_short = best(lambda: kv.forward(short, kv.new_cache()), args.repeat)
     tf_short = best(lambda: tf.logits(short, tf.new_cache()), args.repeat)
-    kv_dec = (best(kv_decode, args.repeat) - kv_short) / (args.decode - 1)
-    tf_dec = (best(tf_decode, args.repeat) - tf_short) / (args.decode - 1)
-
-    rows = [
-        [f"prefill {args.prompt_tokens} tokens (tok/s)", args.prompt_tokens / kv_prefill, args.prompt_tokens / tf_prefill],
-        [f"greedy decode, {args.decode} tokens (tok/s)", 1 / kv_dec, 1 / tf_dec],
-    ]
-    header = ["measure", "kvcandle f32", "transformers f32", "kvcandle / transformers"]
+    tf_greedy = best(lambda: tf.greedy(short, args.decode), args.repeat)
+    engines["transformers f32"] = (tf_prefill, (tf_greedy - tf_short) / (args.decode - 1))
     llama = llama_cpp_timings(long_prompt, short, args)
     if llama is not None:
-        rows[0].append(args.prompt_tokens / llama[0])
-        rows[1].append(1 / llama[1])
-        header += ["llama.cpp Q4_1", "kvcandle / llama.cpp"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---" for _ in header) + "|")
-    for name, a, b, *c in rows:
-        cells = [name, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}x"] + ([f"{c[0]:.1f}", f"{a / c[0]:.2f}x"] if c else [])
-        print("| " + " | ".join(cells) + " |")
+        engines["llama.cpp Q4_1"] = llama
+
+    measures = [f"prefill {args.prompt_tokens} tokens (tok/s)", f"greedy decode, {args.decode} tokens (tok/s)"]
+    speed = {name: (args.prompt_tokens / t[0], 1 / t[1]) for name, t in engines.items()}
+    print("| engine | " + " | ".join(measures) + " |")
+    print("|---|" + "---|" * len(measures))
+    for name, (p, d) in speed.items():
+        print(f"| {name} | {p:.1f} | {d:.1f} |")
+    print()
+    for ours in ("kvcandle f32", "kvcandle Q4_1 (quantized=True)"):
+        for other in [n for n in speed if not n.startswith("kvcandle")]:
+            p, d = (speed[ours][i] / speed[other][i] for i in range(2))
+            print(f"{ours} / {other}: prefill {p:.2f}x, decode {d:.2f}x")
 
 
 def llama_cpp_timings(long_prompt: list[int], short: list[int], args: argparse.Namespace):

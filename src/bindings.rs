@@ -111,8 +111,15 @@ struct Model {
 impl Model {
     /// `progress(done, total)` is called as tensors (GGUF) or files (safetensors) load.
     #[staticmethod]
-    #[pyo3(signature = (path, dtype, device, progress=None))]
-    fn load(py: Python<'_>, path: PathBuf, dtype: &str, device: &str, progress: Option<Py<PyAny>>) -> PyResult<Self> {
+    #[pyo3(signature = (path, dtype, device, progress=None, quantized=false))]
+    fn load(
+        py: Python<'_>,
+        path: PathBuf,
+        dtype: &str,
+        device: &str,
+        progress: Option<Py<PyAny>>,
+        quantized: bool,
+    ) -> PyResult<Self> {
         let dev = parse_device(device).py_err(py)?;
         let dt = parse_dtype(dtype, &dev).py_err(py)?;
         let report = |done: usize, total: usize| {
@@ -125,7 +132,7 @@ impl Model {
         };
         let (weights, model) = py
             .detach(|| -> crate::Result<(Weights, Llama)> {
-                let w = loader::load_with_progress(&path, dt, &dev, &report)?;
+                let w = loader::load_with_progress(&path, dt, &dev, quantized, &report)?;
                 let m = Llama::new(&w)?;
                 Ok((w, m))
             })
@@ -163,6 +170,12 @@ impl Model {
         &self.device_name
     }
 
+    /// Whether the linear layers run on the GGUF file's quantized blocks.
+    #[getter]
+    fn quantized(&self) -> bool {
+        self.inner.is_quantized()
+    }
+
     #[getter]
     fn format(&self) -> &'static str {
         self.weights.format
@@ -176,7 +189,15 @@ impl Model {
     /// Number of weights (tied embeddings counted once).
     #[getter]
     fn num_parameters(&self) -> usize {
-        self.weights.tensors.values().map(|t| t.elem_count()).sum()
+        let w = &self.weights;
+        let float: usize = w.tensors.values().map(|t| t.elem_count()).sum();
+        let quantized: usize = w
+            .qtensors
+            .iter()
+            .filter(|(name, _)| !w.tensors.contains_key(*name))
+            .map(|(_, q)| q.shape().elem_count())
+            .sum();
+        float + quantized
     }
 
     /// GGUF metadata (`general.*` and `tokenizer.*` keys); empty for safetensors.

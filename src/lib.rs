@@ -8,6 +8,7 @@ pub mod error;
 pub mod linear;
 pub mod loader;
 pub mod model;
+pub mod qmatvec;
 pub mod rope;
 pub mod upstream;
 

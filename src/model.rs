@@ -46,6 +46,7 @@ struct Layer {
 pub struct Llama {
     id: u64,
     config: ModelConfig,
+    quantized: bool,
     dtype: DType,
     device: Device,
     embed_tokens: Embedding,
@@ -59,7 +60,13 @@ impl Llama {
     /// Builds the engine from loaded weights (shapes already checked by the loader).
     pub fn new(w: &Weights) -> Result<Self> {
         let c = &w.config;
-        let linear = |name: &str| -> Result<Linear> { Ok(Linear::new(w.get(&format!("{name}.weight"))?.clone())?) };
+        let linear = |name: &str| -> Result<Linear> {
+            let name = format!("{name}.weight");
+            Ok(match w.qtensors.get(&name) {
+                Some(q) => Linear::quantized(q, w.dtype(), &w.device())?,
+                None => Linear::new(w.get(&name)?.clone())?,
+            })
+        };
         let norm = |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(w.get(&format!("{name}.weight"))?.clone(), c.rms_norm_eps)) };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
@@ -81,12 +88,13 @@ impl Llama {
             });
         }
         let embeddings = w.get("model.embed_tokens.weight")?.clone();
-        let lm_head = if c.tie_word_embeddings { Linear::new(embeddings.clone())? } else { linear("lm_head")? };
+        let lm_head = if c.tie_word_embeddings { linear("model.embed_tokens")? } else { linear("lm_head")? };
         let dtype = embeddings.dtype();
         let device = embeddings.device().clone();
         Ok(Self {
             id: next_model_id(),
             config: c.clone(),
+            quantized: w.is_quantized(),
             embed_tokens: Embedding::new(embeddings, c.hidden_size),
             layers,
             norm: norm("model.norm")?,
@@ -103,6 +111,11 @@ impl Llama {
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Whether the linear layers run on GGUF quantized blocks.
+    pub fn is_quantized(&self) -> bool {
+        self.quantized
     }
 
     pub fn dtype(&self) -> DType {

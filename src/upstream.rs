@@ -26,6 +26,11 @@ pub struct UpstreamCache {
 
 impl UpstreamLlama {
     pub fn new(w: &Weights) -> Result<Self> {
+        if w.is_quantized() {
+            return Err(Error::Input(
+                "candle's upstream Llama runs float weights; load the model without quantized=True".into(),
+            ));
+        }
         let config = w.config.to_upstream().map_err(|r| Error::load(&w.source, r))?;
         let embeddings = w.get("model.embed_tokens.weight")?;
         let (dtype, device) = (embeddings.dtype(), embeddings.device().clone());

@@ -124,3 +124,10 @@ def test_ctrl_c_in_chat_keeps_the_cache_consistent(default_model):
     answer = text.split("(undone: cache back to 0 positions)\n")[1]
     _, clean, _ = run(["chat", "--max-tokens", "40"], stdin=f"{q}\n")
     assert answer == clean
+
+
+def test_generate_quantized():
+    code, out, err = run(["generate", "The capital of France is", "--max-tokens", "5", "--quantized"])
+    assert code == 0 and out.startswith(" Paris"), err
+    code, out, _ = run(["info", "--quantized"])
+    assert code == 0 and "linear layers quantized" in out

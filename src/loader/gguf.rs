@@ -6,14 +6,18 @@ use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
 
+use std::sync::Arc;
+
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
 
 use super::{Progress, Weights};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 
-pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, progress: Progress<'_>) -> Result<Weights> {
+pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: bool, progress: Progress<'_>) -> Result<Weights> {
     let file = File::open(path).map_err(|e| Error::load(path, e))?;
     let mut reader = BufReader::new(file);
     let content = Content::read(&mut reader)
@@ -30,38 +34,56 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, progress: Pr
     let config = meta.config(&arch)?;
 
     let mut tensors = HashMap::new();
+    let mut qtensors = HashMap::new();
     let total = 2 + usize::from(!config.tie_word_embeddings) + 9 * config.num_hidden_layers;
-    let mut read = |gguf_name: &str, hf_name: String, unpermute_heads: Option<usize>| -> Result<()> {
-        let q = content
-            .tensor(&mut reader, gguf_name, &Device::Cpu)
-            .map_err(|e| Error::load(path, format!("tensor {gguf_name}: {e}")))?;
-        let mut t = q
-            .dequantize(&Device::Cpu)
-            .map_err(|e| Error::load(path, format!("tensor {gguf_name}: {e}")))?;
+    let mut loaded = 0;
+    // `linear`: a matrix of a linear layer, kept in its GGUF blocks when `quantized`.
+    let mut read = |gguf_name: &str, hf_name: String, unpermute_heads: Option<usize>, linear: bool| -> Result<()> {
+        let fail = |e: candle_core::Error| Error::load(path, format!("tensor {gguf_name}: {e}"));
+        let q = content.tensor(&mut reader, gguf_name, &Device::Cpu).map_err(fail)?;
+        if quantized && linear {
+            // the tied embedding table is also needed as floats, for the lookup
+            if hf_name == "model.embed_tokens.weight" {
+                let t = q.dequantize(&Device::Cpu).map_err(fail)?;
+                tensors.insert(hf_name.clone(), t.to_dtype(dtype)?.to_device(device)?);
+            }
+            // kept on the CPU as read; the engine decides how to run it
+            let kept = match unpermute_heads {
+                Some(heads) => unpermute_rows_quantized(&q, heads).map_err(fail)?,
+                None => q,
+            };
+            qtensors.insert(hf_name, Arc::new(kept));
+            loaded += 1;
+            progress(loaded, total);
+            return Ok(());
+        }
+        let mut t = q.dequantize(&Device::Cpu).map_err(fail)?;
         if let Some(heads) = unpermute_heads {
-            t = unpermute(&t, heads).map_err(|e| Error::load(path, format!("tensor {gguf_name}: {e}")))?;
+            t = unpermute(&t, heads).map_err(fail)?;
         }
         tensors.insert(hf_name, t.to_dtype(dtype)?.to_device(device)?);
-        progress(tensors.len(), total);
+        loaded += 1;
+        progress(loaded, total);
         Ok(())
     };
 
-    read("token_embd.weight", "model.embed_tokens.weight".into(), None)?;
-    read("output_norm.weight", "model.norm.weight".into(), None)?;
+    // the embedding table is needed as floats for the lookup; tied, it is also the lm_head
+    read("token_embd.weight", "model.embed_tokens.weight".into(), None, config.tie_word_embeddings)?;
+    read("output_norm.weight", "model.norm.weight".into(), None, false)?;
     if !config.tie_word_embeddings {
-        read("output.weight", "lm_head.weight".into(), None)?;
+        read("output.weight", "lm_head.weight".into(), None, true)?;
     }
     for i in 0..config.num_hidden_layers {
         let (b, p) = (format!("blk.{i}"), format!("model.layers.{i}"));
-        read(&format!("{b}.attn_norm.weight"), format!("{p}.input_layernorm.weight"), None)?;
-        read(&format!("{b}.ffn_norm.weight"), format!("{p}.post_attention_layernorm.weight"), None)?;
-        read(&format!("{b}.attn_q.weight"), format!("{p}.self_attn.q_proj.weight"), Some(config.num_attention_heads))?;
-        read(&format!("{b}.attn_k.weight"), format!("{p}.self_attn.k_proj.weight"), Some(config.num_key_value_heads))?;
-        read(&format!("{b}.attn_v.weight"), format!("{p}.self_attn.v_proj.weight"), None)?;
-        read(&format!("{b}.attn_output.weight"), format!("{p}.self_attn.o_proj.weight"), None)?;
-        read(&format!("{b}.ffn_gate.weight"), format!("{p}.mlp.gate_proj.weight"), None)?;
-        read(&format!("{b}.ffn_up.weight"), format!("{p}.mlp.up_proj.weight"), None)?;
-        read(&format!("{b}.ffn_down.weight"), format!("{p}.mlp.down_proj.weight"), None)?;
+        read(&format!("{b}.attn_norm.weight"), format!("{p}.input_layernorm.weight"), None, false)?;
+        read(&format!("{b}.ffn_norm.weight"), format!("{p}.post_attention_layernorm.weight"), None, false)?;
+        read(&format!("{b}.attn_q.weight"), format!("{p}.self_attn.q_proj.weight"), Some(config.num_attention_heads), true)?;
+        read(&format!("{b}.attn_k.weight"), format!("{p}.self_attn.k_proj.weight"), Some(config.num_key_value_heads), true)?;
+        read(&format!("{b}.attn_v.weight"), format!("{p}.self_attn.v_proj.weight"), None, true)?;
+        read(&format!("{b}.attn_output.weight"), format!("{p}.self_attn.o_proj.weight"), None, true)?;
+        read(&format!("{b}.ffn_gate.weight"), format!("{p}.mlp.gate_proj.weight"), None, true)?;
+        read(&format!("{b}.ffn_up.weight"), format!("{p}.mlp.up_proj.weight"), None, true)?;
+        read(&format!("{b}.ffn_down.weight"), format!("{p}.mlp.down_proj.weight"), None, true)?;
     }
 
     let metadata = content
@@ -70,7 +92,7 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, progress: Pr
         .filter(|(k, _)| k.starts_with("tokenizer.") || k.starts_with("general."))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    Ok(Weights { config, tensors, metadata, source: path.to_path_buf(), format: "gguf" })
+    Ok(Weights { config, tensors, qtensors, metadata, source: path.to_path_buf(), format: "gguf" })
 }
 
 /// llama.cpp's converter reorders the rows of each q/k head from the Hugging Face
@@ -84,6 +106,29 @@ fn unpermute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     }
     let half = out / heads / 2;
     w.reshape((heads, half, 2, inp))?.transpose(1, 2)?.contiguous()?.reshape((out, inp))
+}
+
+/// The same row reordering as [`unpermute`], on quantized data: GGUF blocks run along a
+/// row, so whole rows (a fixed number of bytes each) are moved and no value changes.
+fn unpermute_rows_quantized(q: &QTensor, heads: usize) -> candle_core::Result<QTensor> {
+    let (out, inp) = q.shape().dims2()?;
+    if heads == 0 || out % heads != 0 || (out / heads) % 2 != 0 {
+        candle_core::bail!("cannot split {out} rows into {heads} heads of even size");
+    }
+    let data = q.data()?;
+    let row_bytes = data.len() / out;
+    let (d, half) = (out / heads, out / heads / 2);
+    let mut raw = Vec::with_capacity(data.len());
+    for h in 0..heads {
+        for t in 0..2 {
+            for j in 0..half {
+                // HF row h*d + t*half + j is stored at GGUF row h*d + 2j + t
+                let src = h * d + 2 * j + t;
+                raw.extend_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
+            }
+        }
+    }
+    qtensor_from_ggml(q.dtype(), &raw, vec![out, inp], &Device::Cpu)
 }
 
 struct Meta<'a> {

@@ -8,7 +8,9 @@ mod safetensors;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::gguf_file;
+use std::sync::Arc;
+
+use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
@@ -18,6 +20,10 @@ use crate::error::{Error, Result};
 pub struct Weights {
     pub config: ModelConfig,
     pub tensors: HashMap<String, Tensor>,
+    /// Linear-layer matrices kept in their GGUF quantized blocks (`quantized` loads only),
+    /// under the same names; such a matrix is not also in `tensors`, except the tied
+    /// embedding table, which the lookup needs as floats.
+    pub qtensors: HashMap<String, Arc<QTensor>>,
     /// GGUF metadata (tokenizer and general keys), empty for Hugging Face directories.
     pub metadata: HashMap<String, gguf_file::Value>,
     /// Where the weights came from.
@@ -27,6 +33,30 @@ pub struct Weights {
 }
 
 impl Weights {
+    /// Shape of a tensor, float or quantized.
+    fn dims_of(&self, name: &str) -> Result<Vec<usize>> {
+        if let Some(t) = self.tensors.get(name) {
+            return Ok(t.dims().to_vec());
+        }
+        match self.qtensors.get(name) {
+            Some(q) => Ok(q.shape().dims().to_vec()),
+            None => Err(Error::load(&self.source, format!("tensor {name} is missing"))),
+        }
+    }
+
+    /// The float dtype and device of the weights (those of the embedding table).
+    pub fn dtype(&self) -> DType {
+        self.tensors.get("model.embed_tokens.weight").map_or(DType::F32, |t| t.dtype())
+    }
+
+    pub fn device(&self) -> Device {
+        self.tensors.get("model.embed_tokens.weight").map_or(Device::Cpu, |t| t.device().clone())
+    }
+
+    pub fn is_quantized(&self) -> bool {
+        !self.qtensors.is_empty()
+    }
+
     pub fn get(&self, name: &str) -> Result<&Tensor> {
         self.tensors
             .get(name)
@@ -61,12 +91,9 @@ impl Weights {
             ]);
         }
         for (name, shape) in expected {
-            let t = self.get(&name)?;
-            if t.dims() != shape.as_slice() {
-                return Err(Error::load(
-                    &self.source,
-                    format!("tensor {name} has shape {:?}, expected {:?}", t.dims(), shape),
-                ));
+            let dims = self.dims_of(&name)?;
+            if dims != shape {
+                return Err(Error::load(&self.source, format!("tensor {name} has shape {dims:?}, expected {shape:?}")));
             }
         }
         Ok(())
@@ -82,11 +109,19 @@ pub type Progress<'a> = &'a (dyn Fn(usize, usize) + Sync);
 /// Panics inside candle's readers (a malformed file can trigger some) are turned into
 /// [`Error::Load`], so no panic ever leaves this function.
 pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<Weights> {
-    load_with_progress(path, dtype, device, &|_, _| {})
+    load_with_progress(path, dtype, device, false, &|_, _| {})
 }
 
-/// [`load`], reporting progress.
-pub fn load_with_progress(path: &Path, dtype: DType, device: &Device, progress: Progress<'_>) -> Result<Weights> {
+/// [`load`], reporting progress. With `quantized`, a GGUF file's linear-layer matrices
+/// stay in their quantized blocks (for candle's quantized matmul) instead of being
+/// dequantized; Hugging Face directories have no such blocks and are refused.
+pub fn load_with_progress(path: &Path, dtype: DType, device: &Device, quantized: bool, progress: Progress<'_>) -> Result<Weights> {
+    if quantized && path.is_dir() {
+        return Err(Error::Input(format!(
+            "quantized=True keeps a GGUF file's quantized blocks, but {} is a Hugging Face directory of float weights",
+            path.display()
+        )));
+    }
     if !path.exists() {
         return Err(Error::NotFound { path: path.to_path_buf() });
     }
@@ -94,7 +129,7 @@ pub fn load_with_progress(path: &Path, dtype: DType, device: &Device, progress: 
         if path.is_dir() {
             safetensors::load_dir(path, dtype, device, progress)
         } else {
-            gguf::load_file(path, dtype, device, progress)
+            gguf::load_file(path, dtype, device, quantized, progress)
         }
     }));
     let weights = match result {

@@ -27,7 +27,7 @@ pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device, progress: Prog
         }
         progress(done + 1, files.len());
     }
-    Ok(Weights { config, tensors, metadata: HashMap::new(), source: dir.to_path_buf(), format: "safetensors" })
+    Ok(Weights { config, tensors, qtensors: HashMap::new(), metadata: HashMap::new(), source: dir.to_path_buf(), format: "safetensors" })
 }
 
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {

@@ -1,0 +1,317 @@
+//! Matrix-vector products straight from GGUF quantized blocks, for decode steps.
+//!
+//! candle's CPU quantized matmul has no SIMD kernel for Q4_1 and compiles its AVX2
+//! kernels only when the whole crate is built for AVX2, so on a portable build it is
+//! slower than float32. These kernels read the blocks as they are stored (Q4_1: a half
+//! scale `d`, a half minimum `m` and 32 four-bit values; Q8_0: a half scale and 32 bytes),
+//! multiply by the float32 activations without quantizing them, split rows across
+//! threads, and use AVX2/FMA when the CPU has it (detected at run time).
+
+use half::f16;
+use rayon::prelude::*;
+
+const BLOCK: usize = 32;
+
+/// Whether the CPU has AVX2 and FMA, detected once.
+static SIMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QKind {
+    Q4_1,
+    Q8_0,
+}
+
+impl QKind {
+    fn block_bytes(self) -> usize {
+        match self {
+            QKind::Q4_1 => 20,
+            QKind::Q8_0 => 34,
+        }
+    }
+}
+
+/// A (rows, cols) matrix of quantized blocks, repacked at load: the half-precision
+/// block scales become float32 (`scales`: d, or d and m, per block) and the quantized
+/// values stay as stored (`qs`: 16 or 32 bytes per block), row-major.
+pub struct QMatrix {
+    kind: QKind,
+    rows: usize,
+    cols: usize,
+    scales: Vec<f32>,
+    qs: Vec<u8>,
+}
+
+impl QKind {
+    fn scales_per_block(self) -> usize {
+        match self {
+            QKind::Q4_1 => 2,
+            QKind::Q8_0 => 1,
+        }
+    }
+
+    fn qs_per_block(self) -> usize {
+        match self {
+            QKind::Q4_1 => 16,
+            QKind::Q8_0 => 32,
+        }
+    }
+}
+
+impl QMatrix {
+    /// From GGUF block bytes; None when the sizes do not fit the block type.
+    pub fn new(kind: QKind, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
+        if cols % BLOCK != 0 || data.len() != rows * (cols / BLOCK) * kind.block_bytes() {
+            return None;
+        }
+        let n = kind.scales_per_block();
+        let mut scales = Vec::with_capacity(rows * cols / BLOCK * n);
+        let mut qs = Vec::with_capacity(rows * cols / BLOCK * kind.qs_per_block());
+        for block in data.chunks_exact(kind.block_bytes()) {
+            for i in 0..n {
+                scales.push(f16::from_bits(u16::from_le_bytes([block[2 * i], block[2 * i + 1]])).to_f32());
+            }
+            qs.extend_from_slice(&block[2 * n..]);
+        }
+        Some(Self { kind, rows, cols, scales, qs })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The matrix as float32, row-major.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.rows * self.cols);
+        let per = self.kind.qs_per_block();
+        for (b, qs) in self.qs.chunks_exact(per).enumerate() {
+            match self.kind {
+                QKind::Q4_1 => {
+                    let (d, m) = (self.scales[2 * b], self.scales[2 * b + 1]);
+                    out.extend(qs.iter().map(|q| d * (q & 15) as f32 + m));
+                    out.extend(qs.iter().map(|q| d * (q >> 4) as f32 + m));
+                }
+                QKind::Q8_0 => out.extend(qs.iter().map(|q| self.scales[b] * (*q as i8) as f32)),
+            }
+        }
+        out
+    }
+
+    /// out[r] = sum_c W[r, c] * x[c], for every row r. With AVX2 the activations are
+    /// quantized to 8 bits per 32-value block (as llama.cpp does) and the products run as
+    /// integer dot products; otherwise in float32.
+    pub fn matvec(&self, x: &[f32], out: &mut [f32]) {
+        assert_eq!(x.len(), self.cols);
+        assert_eq!(out.len(), self.rows);
+        let block_sums: Vec<f32> = x.chunks(BLOCK).map(|b| b.iter().sum()).collect();
+        let blocks = self.cols / BLOCK;
+        let (sn, qn) = (blocks * self.kind.scales_per_block(), blocks * self.kind.qs_per_block());
+        let simd = *SIMD.get_or_init(has_avx2_fma);
+        let x8 = if simd { Some(quantize_q8(x)) } else { None };
+        const ROWS_PER_TASK: usize = 64;
+        out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(task, chunk)| {
+            for (i, o) in chunk.iter_mut().enumerate() {
+                let r = task * ROWS_PER_TASK + i;
+                let row = Row { scales: &self.scales[r * sn..(r + 1) * sn], qs: &self.qs[r * qn..(r + 1) * qn] };
+                *o = match &x8 {
+                    #[cfg(target_arch = "x86_64")]
+                    Some((xq, xd)) => unsafe {
+                        // SAFETY: AVX2 and FMA were detected at run time.
+                        match self.kind {
+                            QKind::Q4_1 => dot_q4_1_avx2(row, xq, xd, &block_sums),
+                            QKind::Q8_0 => dot_q8_0_avx2(row, xq, xd),
+                        }
+                    },
+                    _ => dot_portable(self.kind, row, x, &block_sums),
+                };
+            }
+        });
+    }
+}
+
+/// Activations as int8 per 32-value block: values and one float scale per block.
+fn quantize_q8(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
+    let mut q = Vec::with_capacity(x.len());
+    let mut d = Vec::with_capacity(x.len() / BLOCK);
+    for block in x.chunks(BLOCK) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = amax / 127.0;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        q.extend(block.iter().map(|v| (v * inv).round() as i8));
+        d.push(scale);
+    }
+    (q, d)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// Q4_1 row against int8 activations: per block, the 32 four-bit values (low nibbles
+/// then high nibbles, matching the activation order) times the int8 activations summed
+/// as integers, scaled by d * activation scale; plus m times the activations' sum.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_q4_1_avx2(row: Row<'_>, xq: &[i8], xd: &[f32], block_sums: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let blocks = row.qs.len() / 16;
+    debug_assert!(xq.len() == blocks * BLOCK && xd.len() == blocks);
+    let mask = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    let mut offset = 0f32;
+    for b in 0..blocks {
+        let packed = _mm_loadu_si128(row.qs.as_ptr().add(b * 16) as *const __m128i);
+        let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), mask);
+        let x = _mm256_loadu_si256(xq.as_ptr().add(b * BLOCK) as *const __m256i);
+        let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+        let scale = _mm256_set1_ps(row.scales[2 * b] * xd[b]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
+        offset += row.scales[2 * b + 1] * block_sums[b];
+    }
+    hsum(acc) + offset
+}
+
+/// Q8_0 row against int8 activations (signs moved onto the activations so the
+/// unsigned-by-signed byte product applies).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_q8_0_avx2(row: Row<'_>, xq: &[i8], xd: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let blocks = row.qs.len() / 32;
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..blocks {
+        let q = _mm256_loadu_si256(row.qs.as_ptr().add(b * 32) as *const __m256i);
+        let x = _mm256_loadu_si256(xq.as_ptr().add(b * BLOCK) as *const __m256i);
+        let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)), ones);
+        let scale = _mm256_set1_ps(row.scales[b] * xd[b]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
+    }
+    hsum(acc)
+}
+
+#[derive(Clone, Copy)]
+struct Row<'a> {
+    scales: &'a [f32],
+    qs: &'a [u8],
+}
+
+fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[inline(always)]
+fn dot_portable(kind: QKind, row: Row<'_>, x: &[f32], block_sums: &[f32]) -> f32 {
+    match kind {
+        QKind::Q4_1 => dot_q4_1(row, x, block_sums),
+        QKind::Q8_0 => dot_q8_0(row, x),
+    }
+}
+
+/// One Q4_1 row: value = d * q + m. Eight lanes accumulate the products of values
+/// j, j+8 (low nibbles) and j+16, j+24 (high nibbles); lanes are scaled by the block's
+/// `d` and summed once per row; the `m` terms use the activations' block sums.
+#[inline(always)]
+fn dot_q4_1(row: Row<'_>, x: &[f32], block_sums: &[f32]) -> f32 {
+    let mut total = [0f32; 8];
+    let mut offset = 0f32;
+    for (((qs, xs), dm), sum) in row.qs.chunks_exact(16).zip(x.chunks_exact(BLOCK)).zip(row.scales.chunks_exact(2)).zip(block_sums) {
+        let mut lanes = [0f32; 8];
+        for half in 0..2 {
+            for k in 0..8 {
+                let byte = qs[half * 8 + k];
+                lanes[k] += (byte & 15) as f32 * xs[half * 8 + k];
+                lanes[k] += (byte >> 4) as f32 * xs[16 + half * 8 + k];
+            }
+        }
+        for k in 0..8 {
+            total[k] += dm[0] * lanes[k];
+        }
+        offset += dm[1] * sum;
+    }
+    total.iter().sum::<f32>() + offset
+}
+
+/// One Q8_0 row: value = d * q.
+#[inline(always)]
+fn dot_q8_0(row: Row<'_>, x: &[f32]) -> f32 {
+    let mut total = [0f32; 8];
+    for ((qs, xs), d) in row.qs.chunks_exact(32).zip(x.chunks_exact(BLOCK)).zip(row.scales) {
+        let mut lanes = [0f32; 8];
+        for group in 0..4 {
+            for k in 0..8 {
+                lanes[k] += (qs[group * 8 + k] as i8) as f32 * xs[group * 8 + k];
+            }
+        }
+        for k in 0..8 {
+            total[k] += d * lanes[k];
+        }
+    }
+    total.iter().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random_matrix(kind: QKind, rows: usize, cols: usize, seed: u64) -> QMatrix {
+        let mut s = seed;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        let mut data = Vec::new();
+        for _ in 0..rows * cols / BLOCK {
+            data.extend(f16::from_f32((next() % 1000) as f32 / 50_000.0).to_bits().to_le_bytes());
+            if kind == QKind::Q4_1 {
+                data.extend(f16::from_f32(-((next() % 1000) as f32) / 10_000.0).to_bits().to_le_bytes());
+                data.extend((0..16).map(|_| next() as u8));
+            } else {
+                data.extend((0..32).map(|_| next() as u8));
+            }
+        }
+        QMatrix::new(kind, rows, cols, &data).unwrap()
+    }
+
+    #[test]
+    fn matvec_equals_dequantized_product() {
+        for kind in [QKind::Q4_1, QKind::Q8_0] {
+            let (rows, cols) = (200, 96);
+            let m = random_matrix(kind, rows, cols, 7);
+            let x: Vec<f32> = (0..cols).map(|i| ((i * 37 % 17) as f32 - 8.0) / 4.0).collect();
+            let mut got = vec![0f32; rows];
+            m.matvec(&x, &mut got);
+            let w = m.dequantize();
+            // int8 activations (AVX2 path) cost about 1/254 of each block's largest value
+            let tol = if has_avx2_fma() { 1e-2 } else { 1e-4 };
+            for r in 0..rows {
+                let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum();
+                let scale: f64 = (0..cols).map(|c| (w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
+                assert!((got[r] as f64 - want).abs() <= tol * (1e-3 + scale), "{kind:?} row {r}: {} vs {want}", got[r]);
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_inconsistent_sizes() {
+        assert!(QMatrix::new(QKind::Q4_1, 2, 30, &[0; 40]).is_none());
+        assert!(QMatrix::new(QKind::Q8_0, 2, 32, &[0; 67]).is_none());
+    }
+}
