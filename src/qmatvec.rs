@@ -2,10 +2,12 @@
 //!
 //! candle's CPU quantized matmul has no SIMD kernel for Q4_1 and compiles its AVX2
 //! kernels only when the whole crate is built for AVX2, so on a portable build it is
-//! slower than float32. These kernels read the blocks as they are stored (Q4_1: a half
-//! scale `d`, a half minimum `m` and 32 four-bit values; Q8_0: a half scale and 32 bytes),
-//! multiply by the float32 activations without quantizing them, split rows across
-//! threads, and use AVX2/FMA when the CPU has it (detected at run time).
+//! slower than float32. These kernels read the blocks as stored (Q4_1: a scale `d`, a
+//! minimum `m` and 32 four-bit values; Q8_0: a scale and 32 bytes; the half-precision
+//! scales are converted to float32 once, at load) and split rows across threads. When
+//! the CPU has AVX2 and FMA (detected at run time) the activations are quantized to int8
+//! per block and multiplied as integers, as llama.cpp does; otherwise a portable float32
+//! loop runs.
 
 use half::f16;
 use rayon::prelude::*;
@@ -21,15 +23,6 @@ pub enum QKind {
     Q8_0,
 }
 
-impl QKind {
-    fn block_bytes(self) -> usize {
-        match self {
-            QKind::Q4_1 => 20,
-            QKind::Q8_0 => 34,
-        }
-    }
-}
-
 /// A (rows, cols) matrix of quantized blocks, repacked at load: the half-precision
 /// block scales become float32 (`scales`: d, or d and m, per block) and the quantized
 /// values stay as stored (`qs`: 16 or 32 bytes per block), row-major.
@@ -42,6 +35,11 @@ pub struct QMatrix {
 }
 
 impl QKind {
+    /// Bytes of one GGUF block: half-precision scales, then the quantized values.
+    fn block_bytes(self) -> usize {
+        2 * self.scales_per_block() + self.qs_per_block()
+    }
+
     fn scales_per_block(self) -> usize {
         match self {
             QKind::Q4_1 => 2,
@@ -305,6 +303,24 @@ mod tests {
                 let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum();
                 let scale: f64 = (0..cols).map(|c| (w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
                 assert!((got[r] as f64 - want).abs() <= tol * (1e-3 + scale), "{kind:?} row {r}: {} vs {want}", got[r]);
+            }
+        }
+    }
+
+    #[test]
+    fn portable_path_equals_dequantized_product() {
+        for kind in [QKind::Q4_1, QKind::Q8_0] {
+            let (rows, cols) = (3, 96);
+            let m = random_matrix(kind, rows, cols, 11);
+            let x: Vec<f32> = (0..cols).map(|i| ((i * 29 % 13) as f32 - 6.0) / 3.0).collect();
+            let sums: Vec<f32> = x.chunks(BLOCK).map(|b| b.iter().sum()).collect();
+            let w = m.dequantize();
+            let (sn, qn) = (cols / BLOCK * kind.scales_per_block(), cols / BLOCK * kind.qs_per_block());
+            for r in 0..rows {
+                let row = Row { scales: &m.scales[r * sn..(r + 1) * sn], qs: &m.qs[r * qn..(r + 1) * qn] };
+                let got = dot_portable(kind, row, &x, &sums) as f64;
+                let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum();
+                assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "{kind:?} row {r}: {got} vs {want}");
             }
         }
     }

@@ -41,27 +41,23 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
     let mut read = |gguf_name: &str, hf_name: String, unpermute_heads: Option<usize>, linear: bool| -> Result<()> {
         let fail = |e: candle_core::Error| Error::load(path, format!("tensor {gguf_name}: {e}"));
         let q = content.tensor(&mut reader, gguf_name, &Device::Cpu).map_err(fail)?;
-        if quantized && linear {
-            // the tied embedding table is also needed as floats, for the lookup
-            if hf_name == "model.embed_tokens.weight" {
-                let t = q.dequantize(&Device::Cpu).map_err(fail)?;
-                tensors.insert(hf_name.clone(), t.to_dtype(dtype)?.to_device(device)?);
+        // floats are needed unless the matrix stays quantized; the tied embedding table
+        // is both the (quantized) lm_head and the (float) lookup table
+        if !(quantized && linear) || hf_name == "model.embed_tokens.weight" {
+            let mut t = q.dequantize(&Device::Cpu).map_err(fail)?;
+            if let Some(heads) = unpermute_heads {
+                t = unpermute(&t, heads).map_err(fail)?;
             }
+            tensors.insert(hf_name.clone(), t.to_dtype(dtype)?.to_device(device)?);
+        }
+        if quantized && linear {
             // kept on the CPU as read; the engine decides how to run it
             let kept = match unpermute_heads {
                 Some(heads) => unpermute_rows_quantized(&q, heads).map_err(fail)?,
                 None => q,
             };
             qtensors.insert(hf_name, Arc::new(kept));
-            loaded += 1;
-            progress(loaded, total);
-            return Ok(());
         }
-        let mut t = q.dequantize(&Device::Cpu).map_err(fail)?;
-        if let Some(heads) = unpermute_heads {
-            t = unpermute(&t, heads).map_err(fail)?;
-        }
-        tensors.insert(hf_name, t.to_dtype(dtype)?.to_device(device)?);
         loaded += 1;
         progress(loaded, total);
         Ok(())
