@@ -72,7 +72,7 @@ fn to_numpy<'py>(py: Python<'py>, t: Tensor) -> PyResult<Bound<'py, PyUntypedArr
             PyArray1::from_vec(py, v).reshape(dims)?.into_any()
         }
     };
-    Ok(array.cast_into::<PyUntypedArray>().map_err(PyErr::from)?)
+    array.cast_into::<PyUntypedArray>().map_err(PyErr::from)
 }
 
 fn gguf_value<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
@@ -221,9 +221,7 @@ impl Model {
         cache: &Bound<'py, KVCache>,
         all_logits: bool,
     ) -> PyResult<Bound<'py, PyUntypedArray>> {
-        let mut guard = cache.try_borrow_mut().map_err(|_| {
-            to_py(py, Error::Cache("the cache is in use by another call (a cache runs one forward at a time)".into()))
-        })?;
+        let mut guard = write(cache)?;
         let cache: &mut KvCache = &mut guard.inner;
         let model = &self.inner;
         let logits = py.detach(|| model.forward(&ids, cache, all_logits)).py_err(py)?;
@@ -244,68 +242,86 @@ struct KVCache {
     inner: KvCache,
 }
 
+const CACHE_BUSY: &str = "the cache is in use by another call (a cache runs one forward at a time)";
+
+/// A cache is borrowed mutably for the whole of a `forward` (with the GIL released), so
+/// another thread touching it meanwhile finds it borrowed: a CacheError, never PyO3's
+/// generic "Already borrowed" RuntimeError.
+fn busy(py: Python<'_>) -> PyErr {
+    to_py(py, Error::Cache(CACHE_BUSY.into()))
+}
+
+fn read<'py>(cache: &Bound<'py, KVCache>) -> PyResult<PyRef<'py, KVCache>> {
+    cache.try_borrow().map_err(|_| busy(cache.py()))
+}
+
+fn write<'py>(cache: &Bound<'py, KVCache>) -> PyResult<PyRefMut<'py, KVCache>> {
+    cache.try_borrow_mut().map_err(|_| busy(cache.py()))
+}
+
 #[pymethods]
 impl KVCache {
-    fn __len__(&self) -> usize {
-        self.inner.len()
+    fn __len__(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(read(slf)?.inner.len())
     }
 
     #[getter]
-    fn max_length(&self) -> usize {
-        self.inner.max_len()
+    fn max_length(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(read(slf)?.inner.max_len())
     }
 
     #[getter]
-    fn tokens(&self) -> Vec<u32> {
-        self.inner.tokens().to_vec()
+    fn tokens(slf: &Bound<'_, Self>) -> PyResult<Vec<u32>> {
+        Ok(read(slf)?.inner.tokens().to_vec())
     }
 
     #[getter]
-    fn nbytes(&self) -> usize {
-        self.inner.nbytes()
+    fn nbytes(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(read(slf)?.inner.nbytes())
     }
 
     #[getter]
-    fn capacity(&self) -> usize {
-        self.inner.capacity()
+    fn capacity(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(read(slf)?.inner.capacity())
     }
 
     #[getter]
-    fn num_layers(&self) -> usize {
-        self.inner.layout().num_layers
+    fn num_layers(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(read(slf)?.inner.layout().num_layers)
     }
 
     #[getter]
-    fn bytes_per_token(&self) -> usize {
-        self.inner.layout().bytes_per_token()
+    fn bytes_per_token(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(read(slf)?.inner.layout().bytes_per_token())
     }
 
     #[getter]
-    fn is_shared(&self) -> bool {
-        self.inner.is_shared()
+    fn is_shared(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(read(slf)?.inner.is_shared())
     }
 
-    fn reset(&mut self) {
-        self.inner.reset()
+    fn reset(slf: &Bound<'_, Self>) -> PyResult<()> {
+        write(slf)?.inner.reset();
+        Ok(())
     }
 
     /// Keeps the first n positions (negative: drops -n). Returns how many were dropped.
-    fn crop(&mut self, py: Python<'_>, n: i64) -> PyResult<usize> {
-        self.inner.crop(n).py_err(py)
+    fn crop(slf: &Bound<'_, Self>, n: i64) -> PyResult<usize> {
+        write(slf)?.inner.crop(n).py_err(slf.py())
     }
 
-    fn fork(&self) -> KVCache {
-        KVCache { inner: self.inner.fork() }
+    fn fork(slf: &Bound<'_, Self>) -> PyResult<KVCache> {
+        Ok(KVCache { inner: read(slf)?.inner.fork() })
     }
 
-    fn keys<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Bound<'py, PyUntypedArray>> {
-        let t = self.inner.layer_tensor(layer, false).py_err(py)?;
-        to_numpy(py, t)
+    fn keys<'py>(slf: &Bound<'py, Self>, layer: usize) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let t = read(slf)?.inner.layer_tensor(layer, false).py_err(slf.py())?;
+        to_numpy(slf.py(), t)
     }
 
-    fn values<'py>(&self, py: Python<'py>, layer: usize) -> PyResult<Bound<'py, PyUntypedArray>> {
-        let t = self.inner.layer_tensor(layer, true).py_err(py)?;
-        to_numpy(py, t)
+    fn values<'py>(slf: &Bound<'py, Self>, layer: usize) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let t = read(slf)?.inner.layer_tensor(layer, true).py_err(slf.py())?;
+        to_numpy(slf.py(), t)
     }
 }
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvcandle
-from conftest import Shape, max_abs, write_hf_dir
+from builders import Shape, max_abs, write_hf_dir
 
 
 def run(model, ids, cache=None):

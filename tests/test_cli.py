@@ -6,8 +6,25 @@ import io
 import subprocess
 import sys
 
+import pytest
+
 import kvcandle
 from kvcandle import cli
+
+
+@pytest.fixture(autouse=True)
+def loaded_once(monkeypatch, request):
+    """The command loads the default model through kvcandle.load; here the session's
+    models stand in for it, so each is loaded once (loading and its progress reports are
+    tested in test_loading.py; test_console_script_* runs the real command)."""
+    real = cli.load
+
+    def load(path=None, *, quantized=False, progress=None):
+        if path is None:
+            return request.getfixturevalue("default_quantized" if quantized else "default_model")
+        return real(path, quantized=quantized, progress=progress)
+
+    monkeypatch.setattr(cli, "load", load)
 
 
 class Pipe(io.StringIO):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvcandle
-from conftest import max_abs
+from builders import max_abs
 
 PROMPT = "The capital of France is"
 

@@ -1,5 +1,6 @@
-"""The native engine against transformers' LlamaForCausalLM on tiny random models of
-several shapes (GQA, MHA, tied, odd head counts): logits with and without cache,
+"""The native engine against transformers' LlamaForCausalLM in float64 (kvcandle's float32
+measured against the truth, never against another float32 result) on tiny random models
+of several shapes (GQA, MHA, tied, odd head counts): logits with and without cache,
 chunked prefill, and the cache's keys and values."""
 
 from __future__ import annotations
@@ -11,16 +12,23 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
-from conftest import SHAPES, max_abs
+import kvcandle
+
+from builders import SHAPES, Shape, max_abs, write_hf_dir
+from kvcandle import parity
 
 
+torch.set_num_threads(parity.thread_count())
+
+
+def float64_reference(path) -> LlamaForCausalLM:
+    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float64, attn_implementation="eager").eval()
+    parity.compute_in_float64(model)
+    return model
 
 @pytest.fixture(scope="module")
 def reference(tiny_dirs):
-    return {
-        name: LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
-        for name, path in tiny_dirs.items()
-    }
+    return {name: float64_reference(path) for name, path in tiny_dirs.items()}
 
 
 def ref_logits(ref, ids: list[int]) -> np.ndarray:
@@ -87,14 +95,10 @@ def test_cache_keys_values_match_dynamic_cache(shape, tiny_models, reference):
 
 
 def test_long_input_runs_in_chunks_and_matches_transformers(tmp_path):
-    from conftest import Shape, write_hf_dir
-
-    import kvcandle
-
     shape = Shape("long", max_pos=1300, layers=1)
     path = write_hf_dir(tmp_path / "long", shape)
     model = kvcandle.load(path)
-    ref = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    ref = float64_reference(path)
     ids = sequence(shape.vocab, 1200, 5)  # 512 + 512 + 176 inside forward
     cache = model.new_cache()
     ours = model.forward(ids, cache, all_logits=True)

@@ -3,6 +3,8 @@ exactly as it was."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -100,3 +102,34 @@ def test_upstream_cache_from_another_model_raises(tiny_models):
     a, b = tiny_models["gqa"].upstream(), tiny_models["mha_tied"].upstream()
     with pytest.raises(kvcandle.CacheError):
         b.forward([1], 0, a.new_cache())
+
+
+def test_cache_used_by_another_thread_during_forward_is_a_cache_error(default_model):
+    """While one thread's forward holds the cache (the GIL released), every other use of
+    it raises CacheError naming the reason, never PyO3's generic RuntimeError."""
+    cache = default_model.new_cache()
+    ids = list(range(1000, 1400))
+    done = []
+    worker = threading.Thread(target=lambda: done.append(default_model.forward(ids, cache)))
+    uses = {
+        "len": lambda: len(cache),
+        "tokens": lambda: cache.tokens,
+        "keys": lambda: cache.layers[0].keys,
+        "fork": cache.fork,
+        "crop": lambda: cache.crop(0),
+        "reset": cache.reset,
+        "forward": lambda: default_model.forward([1], cache),
+    }
+    refused: dict[str, str] = {}
+    worker.start()
+    while worker.is_alive() and len(refused) < len(uses):
+        for name, use in uses.items():
+            if name not in refused:
+                try:
+                    use()
+                except kvcandle.CacheError as e:
+                    refused[name] = str(e)
+    worker.join()
+    assert done and done[0].shape == (49152,)  # the forward itself completed
+    assert sorted(refused) == sorted(uses), f"never found the cache busy for {set(uses) - set(refused)}"
+    assert all("in use by another call" in m for m in refused.values())

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvcandle
+from builders import SHAPES, write_gguf
 from kvcandle import parity
 from kvcandle.sampling import sample, top_k_filter, top_p_filter
 
@@ -78,9 +79,6 @@ def test_diverging_prompt_crops_to_common_prefix(default_model):
 
 
 def test_context_length_is_a_finish_reason(tmp_path):
-    from conftest import SHAPES
-    from test_loading import write_gguf
-
     model = kvcandle.load(write_gguf(tmp_path / "tiny.gguf", SHAPES[0]))  # context 64, with a tokenizer
     model.config.eos_token_ids.clear()
     model.tokenizer.eos_token_ids.clear()

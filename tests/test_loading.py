@@ -12,66 +12,7 @@ import numpy as np
 import pytest
 
 import kvcandle
-from conftest import SHAPES, Shape, hf_config, max_abs, tiny_weights, write_hf_dir
-
-gguf = pytest.importorskip("gguf")
-
-
-def permute_like_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf does to q/k rows (HF rotate-half -> interleaved)."""
-    rows, cols = w.shape
-    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-GGUF_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def write_gguf(path, s: Shape, *, arch: str = "llama", seed: int = 0):
-    w = tiny_weights(s, seed)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(s.layers)
-    writer.add_context_length(s.max_pos)
-    writer.add_embedding_length(s.hidden)
-    writer.add_feed_forward_length(s.intermediate)
-    writer.add_head_count(s.heads)
-    writer.add_head_count_kv(s.kv_heads)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(s.theta)
-    writer.add_rope_dimension_count(s.head_dim)
-    alphabet = [chr(c) for c in range(ord("!"), ord("!") + s.vocab - 3)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + alphabet)
-    writer.add_token_types([3, 3, 3] + [1] * len(alphabet))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", w["model.norm.weight"])
-    if not s.tie:
-        writer.add_tensor("output.weight", w["lm_head.weight"])
-    for i in range(s.layers):
-        for hf, g in GGUF_NAMES.items():
-            t = w[f"model.layers.{i}.{hf}.weight"]
-            if g == "attn_q":
-                t = permute_like_llama_cpp(t, s.heads)
-            elif g == "attn_k":
-                t = permute_like_llama_cpp(t, s.kv_heads)
-            writer.add_tensor(f"blk.{i}.{g}.weight", t)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+from builders import SHAPES, Shape, hf_config, max_abs, tiny_weights, write_gguf, write_hf_dir
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
@@ -272,3 +213,10 @@ def test_failing_progress_callback_does_not_fail_the_load(tiny_dirs):
 
     model = kvcandle.load(tiny_dirs["gqa"], progress=boom)
     assert model.forward([1, 2]).shape == (101,)
+
+
+def test_unsupported_gguf_tokenizer_warns_and_loads(tmp_path):
+    path = write_gguf(tmp_path / "spm.gguf", SHAPES[0], tokenizer="llama")
+    with pytest.warns(kvcandle.KVCandleWarning, match="tokenizer kind 'llama' is not supported"):
+        model = kvcandle.load(path)
+    assert model.tokenizer is None and model.forward([1, 2, 3]).shape == (SHAPES[0].vocab,)

@@ -9,63 +9,56 @@ import numpy as np
 import pytest
 
 import kvcandle
-from conftest import SHAPES, max_abs
+from builders import SHAPES, max_abs, write_gguf
 
 SEQ = [504, 3575, 282, 4649, 314, 7042, 30, 198, 198, 504, 2988, 314, 42, 216, 34, 32, 33, 40, 29, 32, 33, 29, 34, 34]
 
 
-@pytest.fixture(scope="module")
-def quantized():
-    return kvcandle.load(quantized=True)
-
-
-def test_same_model_as_float(quantized, default_model):
-    assert quantized.quantized and not default_model.quantized
-    assert quantized.config == default_model.config
-    cq, cf = quantized.new_cache(), default_model.new_cache()
-    rq = np.stack([quantized.forward(SEQ[:5], cq)] + [quantized.forward([t], cq) for t in SEQ[5:]])
+def test_same_model_as_float(default_quantized, default_model):
+    assert default_quantized.quantized and not default_model.quantized
+    assert default_quantized.config == default_model.config
+    cq, cf = default_quantized.new_cache(), default_model.new_cache()
+    rq = np.stack([default_quantized.forward(SEQ[:5], cq)] + [default_quantized.forward([t], cq) for t in SEQ[5:]])
     rf = np.stack([default_model.forward(SEQ[:5], cf)] + [default_model.forward([t], cf) for t in SEQ[5:]])
     agree = int((rq.argmax(-1) == rf.argmax(-1)).sum())
     print(f"quantized vs float32: top-1 {agree}/20, max|diff| {max_abs(rq, rf):.3f}")
     assert agree >= 18
     assert max_abs(rq, rf) < 8.0  # int8 activations: logits move by a few units at most
     assert cq.layers[0].keys.shape == cf.layers[0].keys.shape == (1, 3, 24, 64)
-    r = kvcandle.generate(quantized, "The capital of France is", max_tokens=8)
+    r = kvcandle.generate(default_quantized, "The capital of France is", max_tokens=8)
     assert r.text.startswith(" Paris")
 
 
-def test_cache_semantics_are_unchanged(quantized):
+def test_cache_semantics_are_unchanged(default_quantized):
     prefix = SEQ[:3]
-    base = quantized.new_cache()
-    quantized.forward(prefix, base)
+    base = default_quantized.new_cache()
+    default_quantized.forward(prefix, base)
     branch = base.fork()
-    a = quantized.forward([4649, 314], base)
-    b = quantized.forward([9407, 314], branch)
-    fresh_a = quantized.forward(prefix + [4649, 314], quantized.new_cache())
-    fresh_b = quantized.forward(prefix + [9407, 314], quantized.new_cache())
+    a = default_quantized.forward([4649, 314], base)
+    b = default_quantized.forward([9407, 314], branch)
+    fresh_a = default_quantized.forward(prefix + [4649, 314], default_quantized.new_cache())
+    fresh_b = default_quantized.forward(prefix + [9407, 314], default_quantized.new_cache())
     # rows of at most 8 tokens run one matrix-vector product per row: chunking is exact
     assert max_abs(a, fresh_a) <= 1e-5 and max_abs(b, fresh_b) <= 1e-5
     base.crop(3)
-    assert max_abs(quantized.forward([4649, 314], base), fresh_a) <= 1e-5
+    assert max_abs(default_quantized.forward([4649, 314], base), fresh_a) <= 1e-5
 
 
-def test_long_prompt_uses_the_float_path(quantized, default_model):
+def test_long_prompt_uses_the_float_path(default_quantized, default_model):
     ids = SEQ + SEQ  # 48 rows: dequantized blocks, float matmul, as the float model
-    a = quantized.forward(ids, all_logits=True)
+    a = default_quantized.forward(ids, all_logits=True)
     b = default_model.forward(ids, all_logits=True)
     assert max_abs(a, b) <= 1e-3
 
 
-def test_refusals(tiny_dirs, quantized):
+def test_refusals(tiny_dirs, default_quantized):
     with pytest.raises(kvcandle.InputError, match="Hugging Face directory"):
         kvcandle.load(tiny_dirs["gqa"], quantized=True)
     with pytest.raises(kvcandle.InputError, match="upstream Llama runs float weights"):
-        quantized.upstream()
+        default_quantized.upstream()
 
 
 def test_float_gguf_loads_quantized_as_float(tmp_path):
-    from test_loading import write_gguf
-
     path = write_gguf(tmp_path / "f32.gguf", SHAPES[0])  # float32 tensors: nothing to keep quantized
     q, f = kvcandle.load(path, quantized=True), kvcandle.load(path)
     assert max_abs(q.forward([1, 2, 3]), f.forward([1, 2, 3])) == 0.0

@@ -61,3 +61,8 @@ __all__ = [
     "CacheError",
     "EngineError",
 ]
+
+
+class KVCandleWarning(UserWarning):
+    """Something kvcandle could do only in part (for example a GGUF tokenizer kind it does
+    not build yet: the model loads, ``model.tokenizer`` is None)."""

@@ -199,24 +199,24 @@ class Transformers:
         return out, gaps
 
 
-def compute_in_float64(tf: Transformers) -> None:
+def compute_in_float64(model: Any) -> None:
     """transformers computes three steps in float32 whatever the model's dtype: RMSNorm, the
     RoPE angles, and eager attention's softmax. On the reference model they are replaced by
-    the same formulas in float64, so nothing in it rounds to float32."""
+    the same formulas in float64, so nothing in it rounds to float32. ``model`` is a
+    float64 LlamaForCausalLM."""
     import types
 
+    import torch
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.models.llama import modeling_llama as llama
-
-    torch, model = tf.torch, tf.model
 
     def rms_norm(self: Any, x: Any) -> Any:
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
     for module in model.modules():
         if isinstance(module, llama.LlamaRMSNorm):
-            module.forward = types.MethodType(rms_norm, module)
+            module.forward = types.MethodType(rms_norm, module)  # type: ignore[method-assign]
 
     config = model.config
     if config.rope_parameters.get("rope_type", "default") != "default":
@@ -252,7 +252,7 @@ class Reference:
     def __init__(self, path: Optional[str] = None) -> None:
         self.f64 = Transformers(path, "float64")
         self.f32 = self.f64.astype("float32")
-        compute_in_float64(self.f64)
+        compute_in_float64(self.f64.model)
         self.tokenizer = self.f64.tokenizer
 
     def sequence(self, kv: Model, prompt: str) -> RefSequence:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from tokenizers import AddedToken, Tokenizer as _HFTokenizer, decoders, models, pre_tokenizers
 
 from ._ids import as_ids
-from .errors import TokenIdError
+from .errors import KVCandleWarning, TokenIdError
 
 if TYPE_CHECKING:
     from . import _core
@@ -151,7 +151,7 @@ class Tokenizer:
         tokenizer kind kvcandle does not build yet."""
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
-            warnings.warn(f"GGUF tokenizer kind {kind!r} is not supported yet; model.tokenizer is None", stacklevel=3)
+            warnings.warn(f"GGUF tokenizer kind {kind!r} is not supported yet; model.tokenizer is None", KVCandleWarning, stacklevel=3)
             return None
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)

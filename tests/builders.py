@@ -1,0 +1,170 @@
+"""Builders the tests share: tiny random Llama models written as Hugging Face
+directories (numpy weights saved as safetensors + config.json) or as GGUF files with
+llama.cpp's q/k row order. Imported by conftest.py and by the test modules; test modules
+never import each other."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import save_file
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    vocab: int = 101
+    hidden: int = 48
+    intermediate: int = 72
+    layers: int = 2
+    heads: int = 6
+    kv_heads: int = 2
+    tie: bool = False
+    max_pos: int = 64
+    theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+SHAPES = [
+    Shape("gqa"),  # 6 query heads over 2 KV heads, untied
+    Shape("mha_tied", hidden=32, heads=4, kv_heads=4, tie=True),
+    Shape("odd_heads", hidden=36, heads=9, kv_heads=3, layers=3, tie=True),  # SmolLM2's 9/3, head_dim 4
+    Shape("mqa_odd", hidden=40, heads=5, kv_heads=1, intermediate=56),  # one KV head, 5 query heads
+]
+
+
+def tiny_weights(s: Shape, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random Llama weights under their Hugging Face names (float32)."""
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    d = s.head_dim
+    w = {"model.embed_tokens.weight": mat(s.vocab, s.hidden, 1.0), "model.norm.weight": norm(s.hidden)}
+    if not s.tie:
+        w["lm_head.weight"] = mat(s.vocab, s.hidden)
+    for i in range(s.layers):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = norm(s.hidden)
+        w[f"{p}.post_attention_layernorm.weight"] = norm(s.hidden)
+        w[f"{p}.self_attn.q_proj.weight"] = mat(s.heads * d, s.hidden)
+        w[f"{p}.self_attn.k_proj.weight"] = mat(s.kv_heads * d, s.hidden)
+        w[f"{p}.self_attn.v_proj.weight"] = mat(s.kv_heads * d, s.hidden)
+        w[f"{p}.self_attn.o_proj.weight"] = mat(s.hidden, s.heads * d)
+        w[f"{p}.mlp.gate_proj.weight"] = mat(s.intermediate, s.hidden)
+        w[f"{p}.mlp.up_proj.weight"] = mat(s.intermediate, s.hidden)
+        w[f"{p}.mlp.down_proj.weight"] = mat(s.hidden, s.intermediate)
+    return w
+
+
+def hf_config(s: Shape) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": s.vocab,
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": s.max_pos,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": s.theta,
+        "tie_word_embeddings": s.tie,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+
+
+def write_hf_dir(directory: Path, s: Shape, *, shards: int = 1, seed: int = 0) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(hf_config(s)))
+    weights = tiny_weights(s, seed)
+    if shards == 1:
+        save_file(weights, str(directory / "model.safetensors"))
+        return directory
+    names = sorted(weights)
+    weight_map = {}
+    for k in range(shards):
+        part = names[k::shards]
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: weights[n] for n in part}, str(directory / file))
+        weight_map.update({n: file for n in part})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def permute_like_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to q/k rows (HF rotate-half -> interleaved)."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(path, s: Shape, *, arch: str = "llama", seed: int = 0, tokenizer: str = "gpt2"):
+    """A tiny GGUF file with llama.cpp's q/k row order and a byte-level tokenizer of kind ``tokenizer``."""
+    w = tiny_weights(s, seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(s.layers)
+    writer.add_context_length(s.max_pos)
+    writer.add_embedding_length(s.hidden)
+    writer.add_feed_forward_length(s.intermediate)
+    writer.add_head_count(s.heads)
+    writer.add_head_count_kv(s.kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(s.theta)
+    writer.add_rope_dimension_count(s.head_dim)
+    alphabet = [chr(c) for c in range(ord("!"), ord("!") + s.vocab - 3)]
+    writer.add_tokenizer_model(tokenizer)
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + alphabet)
+    writer.add_token_types([3, 3, 3] + [1] * len(alphabet))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", w["model.norm.weight"])
+    if not s.tie:
+        writer.add_tensor("output.weight", w["lm_head.weight"])
+    for i in range(s.layers):
+        for hf, g in GGUF_NAMES.items():
+            t = w[f"model.layers.{i}.{hf}.weight"]
+            if g == "attn_q":
+                t = permute_like_llama_cpp(t, s.heads)
+            elif g == "attn_k":
+                t = permute_like_llama_cpp(t, s.kv_heads)
+            writer.add_tensor(f"blk.{i}.{g}.weight", t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
