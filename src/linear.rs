@@ -109,7 +109,7 @@ impl Module for FloatLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims();
         let k = *dims.last().unwrap_or(&0);
-        let rows = if k == 0 { 0 } else { x.elem_count() / k };
+        let rows = x.elem_count().checked_div(k).unwrap_or(0);
         if self.blocks.len() < 2 || rows > SPLIT_MAX_ROWS || !x.is_contiguous() {
             return self.inner.forward(x);
         }

@@ -183,6 +183,7 @@ unsafe fn dot_q4_1_avx2(row: Row<'_>, xq: &[i8], xd: &[f32], block_sums: &[f32])
 /// unsigned-by-signed byte product applies).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)] // `b` addresses the weight bytes, the activations and both scales at different strides
 unsafe fn dot_q8_0_avx2(row: Row<'_>, xq: &[i8], xd: &[f32]) -> f32 {
     use std::arch::x86_64::*;
     let blocks = row.qs.len() / 32;
