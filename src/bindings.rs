@@ -11,6 +11,8 @@ use half::f16;
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArray};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::pyclass::boolean_struct::False;
+use pyo3::PyClass;
 use pyo3::types::{PyDict, PyList, PyType};
 
 use crate::cache::KvCache;
@@ -251,11 +253,11 @@ fn busy(py: Python<'_>) -> PyErr {
     to_py(py, Error::Cache(CACHE_BUSY.into()))
 }
 
-fn read<'py>(cache: &Bound<'py, KVCache>) -> PyResult<PyRef<'py, KVCache>> {
+fn read<'py, T: PyClass>(cache: &Bound<'py, T>) -> PyResult<PyRef<'py, T>> {
     cache.try_borrow().map_err(|_| busy(cache.py()))
 }
 
-fn write<'py>(cache: &Bound<'py, KVCache>) -> PyResult<PyRefMut<'py, KVCache>> {
+fn write<'py, T: PyClass<Frozen = False>>(cache: &Bound<'py, T>) -> PyResult<PyRefMut<'py, T>> {
     cache.try_borrow_mut().map_err(|_| busy(cache.py()))
 }
 
@@ -359,9 +361,7 @@ impl UpstreamModel {
         index_pos: usize,
         cache: &Bound<'py, UpstreamKVCache>,
     ) -> PyResult<Bound<'py, PyUntypedArray>> {
-        let mut guard = cache.try_borrow_mut().map_err(|_| {
-            to_py(py, Error::Cache("the cache is in use by another call".into()))
-        })?;
+        let mut guard = write(cache)?;
         let cache: &mut UpstreamCache = &mut guard.inner;
         let model = &self.inner;
         let logits = py.detach(|| model.forward(&ids, index_pos, cache)).py_err(py)?;
@@ -378,12 +378,12 @@ struct UpstreamKVCache {
 #[pymethods]
 impl UpstreamKVCache {
     #[getter]
-    fn use_kv_cache(&self) -> bool {
-        self.inner.use_kv_cache()
+    fn use_kv_cache(slf: &Bound<'_, Self>) -> PyResult<bool> {
+        Ok(read(slf)?.inner.use_kv_cache())
     }
 
-    fn clone(&self) -> UpstreamKVCache {
-        UpstreamKVCache { inner: self.inner.clone_cache() }
+    fn clone(slf: &Bound<'_, Self>) -> PyResult<UpstreamKVCache> {
+        Ok(UpstreamKVCache { inner: read(slf)?.inner.clone_cache() })
     }
 }
 

@@ -104,22 +104,11 @@ def test_upstream_cache_from_another_model_raises(tiny_models):
         b.forward([1], 0, a.new_cache())
 
 
-def test_cache_used_by_another_thread_during_forward_is_a_cache_error(default_model):
-    """While one thread's forward holds the cache (the GIL released), every other use of
-    it raises CacheError naming the reason, never PyO3's generic RuntimeError."""
-    cache = default_model.new_cache()
-    ids = list(range(1000, 1400))
+def refusals_while_busy(run, uses):
+    """Runs ``run`` in a thread and calls each of ``uses`` until each has found the cache
+    busy (CacheError) or the thread is done; returns the result and the messages."""
     done = []
-    worker = threading.Thread(target=lambda: done.append(default_model.forward(ids, cache)))
-    uses = {
-        "len": lambda: len(cache),
-        "tokens": lambda: cache.tokens,
-        "keys": lambda: cache.layers[0].keys,
-        "fork": cache.fork,
-        "crop": lambda: cache.crop(0),
-        "reset": cache.reset,
-        "forward": lambda: default_model.forward([1], cache),
-    }
+    worker = threading.Thread(target=lambda: done.append(run()))
     refused: dict[str, str] = {}
     worker.start()
     while worker.is_alive() and len(refused) < len(uses):
@@ -130,6 +119,31 @@ def test_cache_used_by_another_thread_during_forward_is_a_cache_error(default_mo
                 except kvcandle.CacheError as e:
                     refused[name] = str(e)
     worker.join()
-    assert done and done[0].shape == (49152,)  # the forward itself completed
     assert sorted(refused) == sorted(uses), f"never found the cache busy for {set(uses) - set(refused)}"
     assert all("in use by another call" in m for m in refused.values())
+    return done
+
+
+def test_cache_used_by_another_thread_during_forward_is_a_cache_error(default_model):
+    """While one thread's forward holds the cache (the GIL released), every other use of
+    it raises CacheError naming the reason, never PyO3's generic RuntimeError."""
+    cache = default_model.new_cache()
+    uses = {
+        "len": lambda: len(cache),
+        "tokens": lambda: cache.tokens,
+        "keys": lambda: cache.layers[0].keys,
+        "fork": cache.fork,
+        "crop": lambda: cache.crop(0),
+        "reset": cache.reset,
+        "forward": lambda: default_model.forward([1], cache),
+    }
+    done = refusals_while_busy(lambda: default_model.forward(list(range(1000, 1400)), cache), uses)
+    assert done and done[0].shape == (49152,)  # the forward itself completed
+
+
+def test_upstream_cache_used_by_another_thread_is_a_cache_error(default_model):
+    up = default_model.upstream()
+    cache = up.new_cache(True)
+    uses = {"clone": cache.clone, "use_kv_cache": lambda: cache.use_kv_cache, "forward": lambda: up.forward([1], 0, cache)}
+    done = refusals_while_busy(lambda: up.forward(list(range(1000, 1400)), 0, cache), uses)
+    assert done and done[0].shape == (49152,)
