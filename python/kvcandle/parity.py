@@ -269,11 +269,8 @@ class Reference:
 
 
 def kv_greedy(model: Model, ids: Sequence[int], n: int = 20, cache: Any = None) -> list[int]:
-    cache = model.new_cache() if cache is None else cache
-    out = [int(model.forward(ids, cache).argmax())]
-    for _ in range(n - 1):
-        out.append(int(model.forward([out[-1]], cache).argmax()))
-    return out
+    """``n`` greedy tokens after ``ids`` (the last one not fed back)."""
+    return continue_greedy(model, ids, model.new_cache() if cache is None else cache, n)[0]
 
 
 def run_chunks(
