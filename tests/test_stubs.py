@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # mypy runs in a subprocess: about 40 s
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
