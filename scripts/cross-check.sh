@@ -25,6 +25,11 @@ rustup target add aarch64-apple-darwin x86_64-apple-darwin aarch64-unknown-linux
 rustup component add clippy >/dev/null
 
 step() { echo; echo "== cross-check: $*"; }
+# Each target gets its own build directory: pyo3's build configuration for a cross target
+# is written beside the host build scripts, which Cargo shares between targets in one
+# directory, and a second target can then read the first one's (seen as "failed to parse
+# PyO3 config: missing value for version" in numpy's build script).
+base_dir=${CARGO_TARGET_DIR:-$PWD/target}
 
 step "clippy, $(rustc -vV | sed -n 's/^host: //p')"
 cargo clippy --release --features python --all-targets -- -D warnings
@@ -33,12 +38,13 @@ for target in aarch64-apple-darwin x86_64-apple-darwin; do
     step "clippy, $target (Metal + Accelerate)"
     # oniguruma (a C dependency of the tokenizers crate) is taken from Debian's headers:
     # checking does not link, and no macOS SDK is needed for that.
-    RUSTONIG_SYSTEM_LIBONIG=1 PKG_CONFIG_ALLOW_CROSS=1 PYO3_CROSS_PYTHON_VERSION=3.11 \
-        CC_aarch64_apple_darwin=clang CC_x86_64_apple_darwin=clang \
+    CARGO_TARGET_DIR="$base_dir/cross-$target" RUSTONIG_SYSTEM_LIBONIG=1 PKG_CONFIG_ALLOW_CROSS=1 \
+        PYO3_CROSS_PYTHON_VERSION=3.11 CC_aarch64_apple_darwin=clang CC_x86_64_apple_darwin=clang \
         cargo clippy --release --target "$target" --features python --all-targets -- -D warnings
 done
 
 step "unit tests, aarch64-unknown-linux-gnu under qemu"
+CARGO_TARGET_DIR="$base_dir/cross-aarch64-unknown-linux-gnu" \
 CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
 CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc \
