@@ -13,11 +13,11 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::pyclass::boolean_struct::False;
 use pyo3::PyClass;
-use pyo3::types::{PyDict, PyList, PyType};
+use pyo3::types::{PyDict, PyInt, PyList, PyType};
 
 use crate::cache::KvCache;
 use crate::device::{compiled_devices, dtype_name, parse_device, parse_dtype};
-use crate::error::Error;
+use crate::error::{no_panic, Error};
 use crate::loader::{self, Weights};
 use crate::model::Llama;
 use crate::upstream::{UpstreamCache, UpstreamLlama};
@@ -101,6 +101,34 @@ fn gguf_value<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
     })
 }
 
+/// An int argument as an i64, or (Err) the number as written when it fits no i64: such a
+/// number is out of every valid range, and the caller says so in its own terms. Anything
+/// but an int raises TypeError.
+fn int_arg(n: &Bound<'_, PyAny>) -> PyResult<Result<i64, String>> {
+    match n.extract::<i64>() {
+        Ok(v) => Ok(Ok(v)),
+        Err(_) if n.is_instance_of::<PyInt>() => Ok(Err(n.str()?.to_string())),
+        Err(e) => Err(e),
+    }
+}
+
+/// Token ids from a Python list of ints. An int that fits no i64 is outside every
+/// vocabulary: a TokenIdError naming it, as for any other id out of range.
+fn id_list(ids: &Bound<'_, PyAny>, vocab: usize) -> PyResult<Vec<i64>> {
+    if let Ok(v) = ids.extract::<Vec<i64>>() {
+        return Ok(v);
+    }
+    let items: Vec<Bound<'_, PyAny>> = ids.extract()?;
+    let mut out = Vec::with_capacity(items.len());
+    for (index, item) in items.iter().enumerate() {
+        match int_arg(item)? {
+            Ok(id) => out.push(id),
+            Err(id) => return Err(to_py(ids.py(), Error::TokenId { id, index, vocab })),
+        }
+    }
+    Ok(out)
+}
+
 /// A loaded model running on the native engine.
 #[pyclass(frozen, module = "kvcandle._core")]
 struct Model {
@@ -111,7 +139,7 @@ struct Model {
 
 #[pymethods]
 impl Model {
-    /// `progress(done, total)` is called as tensors (GGUF) or files (safetensors) load.
+    /// `progress(done, total)` is called as tensors load.
     #[staticmethod]
     #[pyo3(signature = (path, dtype, device, progress=None, quantized=false))]
     fn load(
@@ -134,9 +162,11 @@ impl Model {
         };
         let (weights, model) = py
             .detach(|| -> crate::Result<(Weights, Llama)> {
-                let w = loader::load_with_progress(&path, dt, &dev, quantized, &report)?;
-                let m = Llama::new(&w)?;
-                Ok((w, m))
+                no_panic(|| {
+                    let w = loader::load_with_progress(&path, dt, &dev, quantized, &report)?;
+                    let m = Llama::new(&w)?;
+                    Ok((w, m))
+                })
             })
             .py_err(py)?;
         Ok(Self { inner: Arc::new(model), weights: Arc::new(weights), device_name: device.to_string() })
@@ -219,21 +249,32 @@ impl Model {
     fn forward<'py>(
         &self,
         py: Python<'py>,
-        ids: Vec<i64>,
+        ids: &Bound<'py, PyAny>,
         cache: &Bound<'py, KVCache>,
         all_logits: bool,
     ) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let ids = id_list(ids, self.inner.config().vocab_size)?;
         let mut guard = write(cache)?;
         let cache: &mut KvCache = &mut guard.inner;
         let model = &self.inner;
-        let logits = py.detach(|| model.forward(&ids, cache, all_logits)).py_err(py)?;
+        let logits = py.detach(|| no_panic(|| model.forward(&ids, cache, all_logits))).py_err(py)?;
         to_numpy(py, logits)
+    }
+
+    /// Checks, without running or changing anything, that `ids` as a whole sequence could
+    /// be held by `cache`: the cache is this model's, every id is in the vocabulary and
+    /// the sequence fits the context length. Callers that will crop the cache to a
+    /// common prefix check first, so a refused call leaves the cache as it was.
+    fn check_sequence(&self, ids: &Bound<'_, PyAny>, cache: &Bound<'_, KVCache>) -> PyResult<()> {
+        let ids = id_list(ids, self.inner.config().vocab_size)?;
+        let guard = read(cache)?;
+        self.inner.check_sequence(&ids, &guard.inner).map(drop).py_err(cache.py())
     }
 
     /// candle-transformers' own Llama built from the same weights (shared, not copied).
     fn upstream(&self, py: Python<'_>) -> PyResult<UpstreamModel> {
         let weights = &self.weights;
-        let model = py.detach(|| UpstreamLlama::new(weights)).py_err(py)?;
+        let model = py.detach(|| no_panic(|| UpstreamLlama::new(weights))).py_err(py)?;
         Ok(UpstreamModel { inner: Arc::new(model) })
     }
 }
@@ -307,9 +348,24 @@ impl KVCache {
         Ok(())
     }
 
-    /// Keeps the first n positions (negative: drops -n). Returns how many were dropped.
-    fn crop(slf: &Bound<'_, Self>, n: i64) -> PyResult<usize> {
-        write(slf)?.inner.crop(n).py_err(slf.py())
+    /// Keeps the first n positions. Returns how many were dropped.
+    fn crop(slf: &Bound<'_, Self>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let mut guard = write(slf)?;
+        let result = match int_arg(n)? {
+            Ok(n) => guard.inner.crop(n),
+            Err(written) => Err(guard.inner.count_error("crop to", &written)),
+        };
+        result.py_err(slf.py())
+    }
+
+    /// Drops the last n positions. Returns how many were dropped (n).
+    fn trim(slf: &Bound<'_, Self>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let mut guard = write(slf)?;
+        let result = match int_arg(n)? {
+            Ok(n) => guard.inner.trim(n),
+            Err(written) => Err(guard.inner.count_error("trim", &written)),
+        };
+        result.py_err(slf.py())
     }
 
     fn fork(slf: &Bound<'_, Self>) -> PyResult<KVCache> {
@@ -317,12 +373,14 @@ impl KVCache {
     }
 
     fn keys<'py>(slf: &Bound<'py, Self>, layer: usize) -> PyResult<Bound<'py, PyUntypedArray>> {
-        let t = read(slf)?.inner.layer_tensor(layer, false).py_err(slf.py())?;
+        let guard = read(slf)?;
+        let t = no_panic(|| guard.inner.layer_tensor(layer, false)).py_err(slf.py())?;
         to_numpy(slf.py(), t)
     }
 
     fn values<'py>(slf: &Bound<'py, Self>, layer: usize) -> PyResult<Bound<'py, PyUntypedArray>> {
-        let t = read(slf)?.inner.layer_tensor(layer, true).py_err(slf.py())?;
+        let guard = read(slf)?;
+        let t = no_panic(|| guard.inner.layer_tensor(layer, true)).py_err(slf.py())?;
         to_numpy(slf.py(), t)
     }
 }
@@ -340,7 +398,7 @@ impl UpstreamModel {
         let dev = parse_device(device).py_err(py)?;
         let dt = parse_dtype(dtype, &dev).py_err(py)?;
         let model = py
-            .detach(|| loader::load(&path, dt, &dev).and_then(|w| UpstreamLlama::new(&w)))
+            .detach(|| no_panic(|| loader::load(&path, dt, &dev).and_then(|w| UpstreamLlama::new(&w))))
             .py_err(py)?;
         Ok(Self { inner: Arc::new(model) })
     }
@@ -351,20 +409,21 @@ impl UpstreamModel {
     }
 
     fn new_cache(&self, py: Python<'_>, use_kv_cache: bool) -> PyResult<UpstreamKVCache> {
-        Ok(UpstreamKVCache { inner: self.inner.new_cache(use_kv_cache).py_err(py)? })
+        Ok(UpstreamKVCache { inner: no_panic(|| self.inner.new_cache(use_kv_cache)).py_err(py)? })
     }
 
     fn forward<'py>(
         &self,
         py: Python<'py>,
-        ids: Vec<i64>,
+        ids: &Bound<'py, PyAny>,
         index_pos: usize,
         cache: &Bound<'py, UpstreamKVCache>,
     ) -> PyResult<Bound<'py, PyUntypedArray>> {
+        let ids = id_list(ids, self.inner.vocab_size())?;
         let mut guard = write(cache)?;
         let cache: &mut UpstreamCache = &mut guard.inner;
         let model = &self.inner;
-        let logits = py.detach(|| model.forward(&ids, index_pos, cache)).py_err(py)?;
+        let logits = py.detach(|| no_panic(|| model.forward(&ids, index_pos, cache))).py_err(py)?;
         to_numpy(py, logits)
     }
 }

@@ -109,19 +109,41 @@ impl KvCache {
         self.tokens.clear();
     }
 
-    /// Keeps the first `n` positions (or drops `-n` from the end when `n` is negative).
-    /// O(1): only the length changes. Returns the number of positions dropped.
+    /// Keeps the first `n` positions. O(1): only the length changes. Returns the number
+    /// of positions dropped.
     pub fn crop(&mut self, n: i64) -> Result<usize> {
-        let len = self.len() as i64;
-        if n < -len || n > len {
-            return Err(Error::Input(format!(
-                "cannot crop to {n}: the cache holds {len} positions, so n must be in [-{len}, {len}]"
-            )));
-        }
-        let keep = if n < 0 { len + n } else { n } as usize;
+        let keep = self.count(n, "crop to")?;
         let dropped = self.len() - keep;
         self.tokens.truncate(keep);
         Ok(dropped)
+    }
+
+    /// Drops the last `n` positions. O(1). Returns `n`, the number dropped.
+    pub fn trim(&mut self, n: i64) -> Result<usize> {
+        let drop = self.count(n, "trim")?;
+        self.tokens.truncate(self.len() - drop);
+        Ok(drop)
+    }
+
+    /// `n` as a count of positions this cache holds: in `[0, len]`.
+    fn count(&self, n: i64, verb: &str) -> Result<usize> {
+        match usize::try_from(n) {
+            Ok(k) if k <= self.len() => Ok(k),
+            _ => Err(self.count_error(verb, &n)),
+        }
+    }
+
+    /// The error for `crop`/`trim` given `n` outside `[0, len]` (also for numbers that
+    /// fit no integer type, as the caller wrote them). A negative crop length is refused
+    /// rather than read as "drop from the end": `crop(-0)` could not be told from
+    /// `crop(0)`; `trim(n)` says it.
+    pub fn count_error(&self, verb: &str, n: &dyn std::fmt::Display) -> Error {
+        let (len, n) = (self.len(), n.to_string());
+        let hint = match n.strip_prefix('-') {
+            Some(m) if verb == "crop to" => format!("; to drop the last {m} positions use trim({m})"),
+            _ => String::new(),
+        };
+        Error::Input(format!("cannot {verb} {n}: the cache holds {len} positions, so n must be in [0, {len}]{hint}"))
     }
 
     /// A new cache with the same prefix, sharing the storage until one side appends.
@@ -256,11 +278,13 @@ mod tests {
     fn crop_then_append_overwrites_only_the_dropped_tail() {
         let mut a = cache();
         append(&mut a, 5, 1.0);
-        assert_eq!(a.crop(-2).unwrap(), 2);
+        assert_eq!(a.trim(2).unwrap(), 2);
         append(&mut a, 1, 4.0);
         assert_eq!(position_values(&a), vec![1.0, 1.0, 1.0, 4.0]);
-        assert!(a.crop(5).is_err() && a.crop(-5).is_err());
+        assert!(a.crop(5).is_err() && a.crop(-1).is_err() && a.trim(5).is_err() && a.trim(-1).is_err());
         assert_eq!(a.len(), 4);
+        assert_eq!(a.crop(4).unwrap(), 0);
+        assert_eq!(a.trim(0).unwrap(), 0);
     }
 
     #[test]

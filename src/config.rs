@@ -1,6 +1,6 @@
 //! Architecture numbers of a Llama-family model, whatever file they came from.
 
-use candle_transformers::models::llama::{Config as UpstreamConfig, Llama3RopeConfig, LlamaEosToks};
+use candle_transformers::models::llama::{Config as UpstreamConfig, Llama3RopeConfig, Llama3RopeType, LlamaEosToks};
 
 /// Everything the engine needs to know about the architecture.
 #[derive(Debug, Clone)]
@@ -22,6 +22,12 @@ pub struct ModelConfig {
     /// Llama 3 style frequency scaling, as in candle-transformers' config.
     pub rope_scaling: Option<Llama3RopeConfig>,
 }
+
+/// No dimension of a real Llama model comes near this (the largest use 128k-256k
+/// vocabularies, 16k hidden sizes, 126 layers); positions are capped at 2^24 too.
+const MAX_DIMENSION: usize = 1 << 24;
+/// Weights per matrix: 2^36 float32 weights are 256 GB.
+const MAX_ELEMENTS: usize = 1 << 36;
 
 impl ModelConfig {
     /// Checks the numbers are coherent; returns a human-readable reason when not.
@@ -56,8 +62,36 @@ impl ModelConfig {
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
             return Err(format!("rms_norm_eps must be a non-negative number, got {}", self.rms_norm_eps));
         }
-        if self.max_position_embeddings > (1 << 24) {
-            return Err(format!("max_position_embeddings {} is implausibly large", self.max_position_embeddings));
+        for (name, v) in positive {
+            if v > MAX_DIMENSION {
+                return Err(format!("{name} {v} is implausibly large (at most {MAX_DIMENSION})"));
+            }
+        }
+        // the sizes of the weight matrices, computed without overflow
+        let products = [
+            ("num_attention_heads * head_dim", self.num_attention_heads, self.head_dim),
+            ("vocab_size * hidden_size", self.vocab_size, self.hidden_size),
+            ("intermediate_size * hidden_size", self.intermediate_size, self.hidden_size),
+            ("num_attention_heads * head_dim * hidden_size", self.num_attention_heads * self.head_dim, self.hidden_size),
+        ];
+        for (name, a, b) in products {
+            if a.checked_mul(b).is_none_or(|n| n > MAX_ELEMENTS) {
+                return Err(format!("{name} = {a} * {b} is implausibly large (at most {MAX_ELEMENTS} weights per matrix)"));
+            }
+        }
+        if let Some(s) = self.rope_scaling.as_ref().filter(|s| matches!(s.rope_type, Llama3RopeType::Llama3)) {
+            let (low, high) = (s.low_freq_factor, s.high_freq_factor);
+            if !(s.factor.is_finite() && s.factor > 0.0) {
+                return Err(format!("rope_scaling.factor must be a positive number, got {}", s.factor));
+            }
+            if !(low.is_finite() && high.is_finite() && low > 0.0 && high > low) {
+                return Err(format!(
+                    "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got low_freq_factor {low}, high_freq_factor {high}"
+                ));
+            }
+            if s.original_max_position_embeddings == 0 {
+                return Err("rope_scaling.original_max_position_embeddings must be positive, got 0".into());
+            }
         }
         Ok(())
     }

@@ -25,8 +25,9 @@ pub enum Error {
     Position { offset: usize, requested: usize, limit: usize, available: usize },
 
     /// A token id that is negative or not below the vocabulary size.
+    /// (`id` as written by the caller: it may not fit any integer type.)
     #[error("token id {id} at index {index} is out of range: the vocabulary has {vocab} ids (0..{vocab})")]
-    TokenId { id: i64, index: usize, vocab: usize },
+    TokenId { id: String, index: usize, vocab: usize },
 
     /// Bad argument value (empty ids, bad crop length, ...).
     #[error("{0}")]
@@ -46,12 +47,36 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl From<candle_core::Error> for Error {
     /// Keeps candle's message, not the backtrace candle attaches when RUST_BACKTRACE is set.
     fn from(e: candle_core::Error) -> Self {
-        let mut e = e;
-        while let candle_core::Error::WithBacktrace { inner, .. } = e {
-            e = *inner;
-        }
-        Error::Engine(e)
+        Error::Engine(without_backtrace(e))
     }
+}
+
+fn without_backtrace(mut e: candle_core::Error) -> candle_core::Error {
+    while let candle_core::Error::WithBacktrace { inner, .. } = e {
+        e = *inner;
+    }
+    e
+}
+
+/// candle's message for `e` on one line: without the backtrace candle appends when
+/// RUST_BACKTRACE is set. Every candle error shown to a user goes through this (or
+/// through `From`, which does the same).
+pub(crate) fn message(e: candle_core::Error) -> String {
+    without_backtrace(e).to_string()
+}
+
+/// Runs `f`, turning a panic (a bug in kvcandle or candle, never a bad input) into an
+/// [`Error::Engine`], so that no panic reaches the caller (in Python, a PanicException,
+/// which `except Exception` does not catch).
+pub fn no_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("unknown panic");
+        Err(Error::Engine(candle_core::Error::Msg(format!("internal error (a bug in kvcandle, please report it): {what}"))))
+    })
 }
 
 impl Error {

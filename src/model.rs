@@ -143,17 +143,35 @@ impl Llama {
     /// Checks everything about a call before any work: the cache's owner, the ids, the
     /// context length. Returns the ids as u32.
     pub fn check_input(&self, ids: &[i64], cache: &KvCache) -> Result<Vec<u32>> {
-        if cache.model_id() != self.id {
-            return Err(Error::Cache(
-                "this cache was made by another model: a cache holds one model's keys and values; use model.new_cache()".into(),
-            ));
-        }
+        self.check_owner(cache)?;
         let out = token_ids(ids, self.config.vocab_size)?;
         let (len, limit) = (cache.len(), cache.max_len());
         if len + ids.len() > limit {
             return Err(Error::Position { offset: len, requested: ids.len(), limit, available: limit - len });
         }
         Ok(out)
+    }
+
+    /// Checks, changing nothing, that `ids` as a whole sequence could be held by `cache`
+    /// (after cropping it to a common prefix): the cache is this model's, every id is in
+    /// the vocabulary and the sequence fits the context length.
+    pub fn check_sequence(&self, ids: &[i64], cache: &KvCache) -> Result<Vec<u32>> {
+        self.check_owner(cache)?;
+        let out = token_ids(ids, self.config.vocab_size)?;
+        let limit = cache.max_len();
+        if ids.len() > limit {
+            return Err(Error::Position { offset: 0, requested: ids.len(), limit, available: limit });
+        }
+        Ok(out)
+    }
+
+    fn check_owner(&self, cache: &KvCache) -> Result<()> {
+        if cache.model_id() != self.id {
+            return Err(Error::Cache(
+                "this cache was made by another model: a cache holds one model's keys and values; use model.new_cache()".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Runs `ids` at positions `len(cache)..`, appends their keys and values to the cache
@@ -191,8 +209,9 @@ impl Llama {
         let input = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
         let mut x = self.embed_tokens.forward(&input)?;
         let mask = causal_mask(seq, cache.len(), &self.device)?;
+        let rope = self.rope.tables(cache.len(), seq)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            x = self.layer_forward(i, layer, &x, cache, mask.as_ref())?;
+            x = self.layer_forward(i, layer, &x, cache, mask.as_ref(), &rope)?;
         }
         let logits = if all_logits {
             Some(self.lm_head.forward(&self.norm.forward(&x)?)?.squeeze(0)?)
@@ -207,9 +226,9 @@ impl Llama {
         Ok(logits)
     }
 
-    fn layer_forward(&self, index: usize, layer: &Layer, x: &Tensor, cache: &KvCache, mask: Option<&Tensor>) -> Result<Tensor> {
+    fn layer_forward(&self, index: usize, layer: &Layer, x: &Tensor, cache: &KvCache, mask: Option<&Tensor>, rope: &(Tensor, Tensor)) -> Result<Tensor> {
         let h = layer.input_layernorm.forward(x)?;
-        let h = self.attention(index, &layer.attn, &h, cache, mask)?;
+        let h = self.attention(index, &layer.attn, &h, cache, mask, rope)?;
         let x = (x + h)?;
         let h = layer.post_attention_layernorm.forward(&x)?;
         let m = &layer.mlp;
@@ -217,14 +236,14 @@ impl Llama {
         Ok((x + m.down_proj.forward(&h)?)?)
     }
 
-    fn attention(&self, index: usize, a: &Attention, x: &Tensor, cache: &KvCache, mask: Option<&Tensor>) -> Result<Tensor> {
+    fn attention(&self, index: usize, a: &Attention, x: &Tensor, cache: &KvCache, mask: Option<&Tensor>, rope: &(Tensor, Tensor)) -> Result<Tensor> {
         let c = &self.config;
         let (b, seq, _) = x.dims3()?;
         let (heads, kv_heads, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let offset = cache.len();
         let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> { t.reshape((b, seq, n, d))?.transpose(1, 2)?.contiguous() };
-        let q = self.rope.apply(&split(a.q_proj.forward(x)?, heads)?, offset)?;
-        let k = self.rope.apply(&split(a.k_proj.forward(x)?, kv_heads)?, offset)?;
+        let q = Rope::apply(&split(a.q_proj.forward(x)?, heads)?, rope)?;
+        let k = Rope::apply(&split(a.k_proj.forward(x)?, kv_heads)?, rope)?;
         let v = split(a.v_proj.forward(x)?, kv_heads)?;
         cache.write(index, &k, &v)?;
         let total = offset + seq;
@@ -260,7 +279,7 @@ pub(crate) fn token_ids(ids: &[i64], vocab: usize) -> Result<Vec<u32>> {
         .enumerate()
         .map(|(index, &id)| match u32::try_from(id) {
             Ok(t) if (t as usize) < vocab => Ok(t),
-            _ => Err(Error::TokenId { id, index, vocab }),
+            _ => Err(Error::TokenId { id: id.to_string(), index, vocab }),
         })
         .collect()
 }

@@ -1,5 +1,7 @@
-//! Rotary position embedding tables, computed once per model for every position up to
-//! the context length, in float32 as transformers does, then cast to the model dtype.
+//! Rotary position embedding. The angles of the positions a call needs are computed
+//! for that call (in float32, as transformers does, then cast to the model dtype): a few
+//! thousand sines per chunk, and no table sized by the context length, so a header
+//! claiming 2^24 positions costs nothing until they are used.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_transformers::models::llama::{Llama3RopeConfig, Llama3RopeType};
@@ -7,31 +9,32 @@ use candle_transformers::models::llama::{Llama3RopeConfig, Llama3RopeType};
 use crate::config::ModelConfig;
 
 pub struct Rope {
-    cos: Tensor,
-    sin: Tensor,
+    inv_freq: Vec<f32>,
+    dtype: DType,
+    device: Device,
 }
 
 impl Rope {
     pub fn new(cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Self> {
-        let inv_freq = inverse_frequencies(cfg);
-        let half = inv_freq.len();
-        let positions = cfg.max_position_embeddings;
-        let mut angles = Vec::with_capacity(positions * half);
-        for p in 0..positions {
-            let p = p as f32;
-            angles.extend(inv_freq.iter().map(|f| p * f));
-        }
-        let angles = Tensor::from_vec(angles, (positions, half), device)?;
-        Ok(Self { cos: angles.cos()?.to_dtype(dtype)?, sin: angles.sin()?.to_dtype(dtype)? })
+        Ok(Self { inv_freq: inverse_frequencies(cfg), dtype, device: device.clone() })
     }
 
-    /// Applies the rotation for positions `offset..offset + seq` to `x` of shape
-    /// (batch, heads, seq, head_dim), in the Hugging Face "rotate half" layout.
-    pub fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
-        let seq = x.dim(2)?;
-        let cos = self.cos.narrow(0, offset, seq)?;
-        let sin = self.sin.narrow(0, offset, seq)?;
-        candle_nn::rotary_emb::rope(x, &cos, &sin)
+    /// cos and sin of positions `offset..offset + seq`, each (seq, head_dim / 2).
+    pub fn tables(&self, offset: usize, seq: usize) -> Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let mut angles = Vec::with_capacity(seq * half);
+        for p in offset..offset + seq {
+            let p = p as f32;
+            angles.extend(self.inv_freq.iter().map(|f| p * f));
+        }
+        let angles = Tensor::from_vec(angles, (seq, half), &self.device)?;
+        Ok((angles.cos()?.to_dtype(self.dtype)?, angles.sin()?.to_dtype(self.dtype)?))
+    }
+
+    /// Applies the rotation given by `tables` to `x` of shape (batch, heads, seq,
+    /// head_dim), in the Hugging Face "rotate half" layout.
+    pub fn apply(x: &Tensor, (cos, sin): &(Tensor, Tensor)) -> Result<Tensor> {
+        candle_nn::rotary_emb::rope(x, cos, sin)
     }
 }
 

@@ -54,12 +54,12 @@ def test_reset_keeps_storage_and_forgets_tokens(tiny):
     assert max_abs(again, fresh) == 0.0
 
 
-@pytest.mark.parametrize("n,kept", [(4, 4), (0, 0), (7, 7), (-3, 4), (-7, 0)])
-def test_crop_keeps_a_prefix(tiny, n, kept):
+@pytest.mark.parametrize("op,n,kept", [("crop", 4, 4), ("crop", 0, 0), ("crop", 7, 7), ("trim", 3, 4), ("trim", 7, 0), ("trim", 0, 7)])
+def test_crop_and_trim_keep_a_prefix(tiny, op, n, kept):
     ids = [3, 1, 4, 1, 5, 9, 2]
     _, cache = run(tiny, ids)
     capacity = cache.capacity
-    dropped = cache.crop(n)
+    dropped = getattr(cache, op)(n)
     assert dropped == 7 - kept and len(cache) == kept and cache.tokens == ids[:kept]
     assert cache.capacity == capacity  # nothing reallocated: O(1)
     # continuing after the crop equals running the prefix + new tokens from scratch
@@ -74,21 +74,39 @@ def _run_keys(model, ids):
     return c.layers[1].keys
 
 
-@pytest.mark.parametrize("n", [8, -8, 100])
-def test_crop_out_of_range_raises_value_error_and_keeps_cache(tiny, n):
+@pytest.mark.parametrize(
+    "op,n,message",
+    [
+        ("crop", 8, r"cannot crop to 8: .* \[0, 7\]$"),
+        ("crop", 100, "cannot crop to 100"),
+        ("crop", -3, r"cannot crop to -3: .*; to drop the last 3 positions use trim\(3\)"),
+        ("crop", 2**63, f"cannot crop to {2**63}"),
+        ("crop", -(2**70), f"cannot crop to {-(2**70)}"),
+        ("crop", np.int64(-1), "cannot crop to -1"),
+        ("trim", 8, r"cannot trim 8: the cache holds 7 positions, so n must be in \[0, 7\]$"),
+        ("trim", -1, "cannot trim -1"),
+        ("trim", 2**64, f"cannot trim {2**64}"),
+    ],
+)
+def test_crop_and_trim_out_of_range_raise_input_error_and_keep_cache(tiny, op, n, message):
+    """A negative crop length is refused (crop(-0) could not be told from crop(0)); numbers
+    too large for any integer type are InputError like any other, never OverflowError."""
     _, cache = run(tiny, list(range(7)))
     keys = cache.layers[0].keys
-    with pytest.raises(ValueError, match=f"cannot crop to {n}") as e:
-        cache.crop(n)
+    with pytest.raises(ValueError, match=message) as e:
+        getattr(cache, op)(n)
     assert isinstance(e.value, kvcandle.InputError)
     assert len(cache) == 7 and cache.tokens == list(range(7))
     assert np.array_equal(cache.layers[0].keys, keys)
 
 
-def test_crop_rejects_non_int(tiny):
+@pytest.mark.parametrize("op", ["crop", "trim"])
+def test_crop_and_trim_reject_non_int(tiny, op):
     cache = tiny.new_cache()
     with pytest.raises(TypeError, match="n must be an int"):
-        cache.crop(1.5)  # type: ignore[arg-type]
+        getattr(cache, op)(1.5)
+    with pytest.raises(TypeError, match="n must be an int"):
+        getattr(cache, op)(True)
 
 
 def test_fork_shares_until_append_then_isolates(tiny):

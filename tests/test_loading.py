@@ -90,9 +90,11 @@ def test_default_model_missing_says_how_to_install(monkeypatch):
 @pytest.mark.parametrize(
     "content,message",
     [
-        (b"", "not a readable GGUF"),
-        (b"this is not a model at all" * 10, "not a readable GGUF"),
-        (b"GGUF\x03\x00\x00\x00" + b"\xff" * 16, "not a readable GGUF"),
+        (b"", "not a valid GGUF file: the header needs 4 bytes at offset 0"),
+        (b"this is not a model at all" * 10, "not a valid GGUF file: the file starts with 0x73696874, not the GGUF magic"),
+        (b"GGUF\x03\x00\x00\x00" + b"\xff" * 16, "declares 18446744073709551615 metadata entries and 18446744073709551615 tensors"),
+        (b"GGUF\x01\x00\x00\x00" + b"\x00" * 16, "GGUF version 1 is not supported"),
+        (b"GGUF\x00\x00\x00\x03" + b"\x00" * 16, "a big-endian GGUF file"),
     ],
 )
 def test_malformed_gguf(tmp_path, content, message):
@@ -202,9 +204,9 @@ def test_progress_is_reported(tmp_path):
     kvcandle.load(write_gguf(tmp_path / "m.gguf", SHAPES[0]), progress=lambda d, t: seen.append((d, t)))
     total = 2 + 1 + 9 * SHAPES[0].layers  # embeddings, final norm, lm_head, 9 per layer
     assert seen == [(i, total) for i in range(1, total + 1)]
-    files: list[tuple[int, int]] = []
-    kvcandle.load(write_hf_dir(tmp_path / "sh", SHAPES[0], shards=3), progress=lambda d, t: files.append((d, t)))
-    assert files == [(1, 3), (2, 3), (3, 3)]
+    tensors: list[tuple[int, int]] = []
+    kvcandle.load(write_hf_dir(tmp_path / "sh", SHAPES[0], shards=3), progress=lambda d, t: tensors.append((d, t)))
+    assert tensors == [(i, total) for i in range(1, total + 1)]
 
 
 def test_failing_progress_callback_does_not_fail_the_load(tiny_dirs):

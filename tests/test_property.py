@@ -67,7 +67,8 @@ def make_machine(model: kvcandle.Model):
         def crop(self, entry, data):
             cache, tokens = entry
             n = data.draw(st.integers(-len(tokens), len(tokens)))
-            dropped = cache.crop(n)
+            # a negative n drops -n from the end (trim), else n positions are kept (crop)
+            dropped = cache.trim(-n) if n < 0 else cache.crop(n)
             keep = len(tokens) + n if n < 0 else n
             assert dropped == len(tokens) - keep
             del tokens[keep:]

@@ -117,20 +117,38 @@ class KVCache:
         self._inner.reset()
 
     def crop(self, n: int) -> int:
-        """Keeps the first ``n`` positions; a negative ``n`` drops ``-n`` from the end.
+        """Keeps the first ``n`` positions and drops the rest.
 
-        O(1): no keys or values are copied.
+        O(1): no keys or values are copied. To drop positions from the end, use
+        :meth:`trim`; a negative ``n`` is refused (``crop(-0)`` could not be told from
+        ``crop(0)``).
 
         Args:
-            n: positions to keep, or (negative) positions to drop.
+            n: positions to keep, ``0 <= n <= len(cache)``.
 
         Returns:
             The number of positions dropped.
 
         Raises:
-            InputError: ``n`` is outside ``[-len(cache), len(cache)]`` (a ``ValueError``).
+            InputError: ``n`` is outside ``[0, len(cache)]`` (a ``ValueError``).
+            TypeError: ``n`` is not an int.
         """
         return self._inner.crop(_as_int(n, "n"))
+
+    def trim(self, n: int) -> int:
+        """Drops the last ``n`` positions (as mlx-lm's ``trim``). O(1).
+
+        Args:
+            n: positions to drop, ``0 <= n <= len(cache)``.
+
+        Returns:
+            The number of positions dropped (``n``).
+
+        Raises:
+            InputError: ``n`` is outside ``[0, len(cache)]`` (a ``ValueError``).
+            TypeError: ``n`` is not an int.
+        """
+        return self._inner.trim(_as_int(n, "n"))
 
     def fork(self) -> "KVCache":
         """A new cache holding the same prefix, copy-on-write.

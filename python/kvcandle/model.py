@@ -100,6 +100,19 @@ class Model:
             raise TypeError(f"cache must be a kvcandle.KVCache, got {type(cache).__name__}")
         return self._inner.forward(as_ids(ids), cache._inner, bool(all_logits))
 
+    def check_sequence(self, ids: Ids, cache: KVCache) -> None:
+        """Checks, without running or changing anything, that ``cache`` could hold ``ids``
+        as a whole sequence: the cache is this model's, every id is in the vocabulary,
+        and ``len(ids) <= cache.max_length``. Generation calls this before it crops a
+        cache to its common prefix with a prompt, so a refused call changes nothing.
+
+        Raises:
+            CacheError, TokenIdError, PositionError, TypeError: as :meth:`forward`.
+        """
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a kvcandle.KVCache, got {type(cache).__name__}")
+        self._inner.check_sequence(as_ids(ids), cache._inner)
+
     def prefill(self, ids: Ids, cache: KVCache) -> np.ndarray:
         """Makes ``cache`` hold exactly ``ids``, running only the tokens it lacks.
 
@@ -170,8 +183,8 @@ def load(
             Q8_0, ...) and run them with candle's quantized matmul: several times faster
             decoding, at the precision of the file rather than float32 (activations are
             quantized to 8 bits in those products). Only for GGUF files.
-        progress: called as ``progress(done, total)`` while loading (tensors for GGUF,
-            files for safetensors), from the loading thread.
+        progress: called as ``progress(done, total)`` as each weight tensor loads, from
+            the loading thread.
 
     Returns:
         The model, with ``model.tokenizer`` (None for a directory without tokenizer files).

@@ -13,15 +13,13 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
 
-use super::{Progress, Weights};
+use super::{expected_tensors, gguf_header, Progress, Weights};
 use crate::config::ModelConfig;
-use crate::error::{Error, Result};
+use crate::error::{message, Error, Result};
 
 pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: bool, progress: Progress<'_>) -> Result<Weights> {
-    let file = File::open(path).map_err(|e| Error::load(path, e))?;
-    let mut reader = BufReader::new(file);
-    let content = Content::read(&mut reader)
-        .map_err(|e| Error::load(path, format!("not a readable GGUF file: {e}")))?;
+    // validated before candle sees anything of the file
+    let content = gguf_header::read(path)?;
     let meta = Meta { path, content: &content };
 
     let arch = meta.string("general.architecture")?;
@@ -32,54 +30,48 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
         ));
     }
     let config = meta.config(&arch)?;
+    let table = expected_tensors(&config, content.tensor_infos.len(), path)?;
+    // every shape is checked before any tensor data is read
+    for spec in &table {
+        let info = content
+            .tensor_infos
+            .get(&spec.gguf)
+            .ok_or_else(|| Error::load(path, format!("tensor {} ({}) is missing", spec.gguf, spec.name)))?;
+        if info.shape.dims() != spec.shape.as_slice() {
+            return Err(Error::load(
+                path,
+                format!("tensor {} ({}) has shape {:?}, expected {:?}", spec.gguf, spec.name, info.shape.dims(), spec.shape),
+            ));
+        }
+    }
 
+    let file = File::open(path).map_err(|e| Error::load(path, e))?;
+    let mut reader = BufReader::new(file);
     let mut tensors = HashMap::new();
     let mut qtensors = HashMap::new();
-    let total = 2 + usize::from(!config.tie_word_embeddings) + 9 * config.num_hidden_layers;
-    let mut loaded = 0;
-    // `linear`: a matrix of a linear layer, kept in its GGUF blocks when `quantized`.
-    let mut read = |gguf_name: &str, hf_name: String, unpermute_heads: Option<usize>, linear: bool| -> Result<()> {
-        let fail = |e: candle_core::Error| Error::load(path, format!("tensor {gguf_name}: {e}"));
-        let q = content.tensor(&mut reader, gguf_name, &Device::Cpu).map_err(fail)?;
+    for (loaded, spec) in table.iter().enumerate() {
+        let fail = |e: candle_core::Error| Error::load(path, format!("tensor {}: {}", spec.gguf, message(e)));
+        let q = content.tensor(&mut reader, &spec.gguf, &Device::Cpu).map_err(fail)?;
+        let keep_blocks = quantized && spec.linear;
         // floats are needed unless the matrix stays quantized; the tied embedding table
         // is both the (quantized) lm_head and the (float) lookup table
-        if !(quantized && linear) || hf_name == "model.embed_tokens.weight" {
+        if !keep_blocks || spec.name == "model.embed_tokens.weight" {
             let mut t = q.dequantize(&Device::Cpu).map_err(fail)?;
-            if let Some(heads) = unpermute_heads {
+            if let Some(heads) = spec.rope_heads {
                 t = unpermute(&t, heads).map_err(fail)?;
             }
-            tensors.insert(hf_name.clone(), t.to_dtype(dtype)?.to_device(device)?);
+            let t = t.to_dtype(dtype).and_then(|t| t.to_device(device)).map_err(fail)?;
+            tensors.insert(spec.name.clone(), t);
         }
-        if quantized && linear {
+        if keep_blocks {
             // kept on the CPU as read; the engine decides how to run it
-            let kept = match unpermute_heads {
+            let kept = match spec.rope_heads {
                 Some(heads) => unpermute_rows_quantized(&q, heads).map_err(fail)?,
                 None => q,
             };
-            qtensors.insert(hf_name, Arc::new(kept));
+            qtensors.insert(spec.name.clone(), Arc::new(kept));
         }
-        loaded += 1;
-        progress(loaded, total);
-        Ok(())
-    };
-
-    // the embedding table is needed as floats for the lookup; tied, it is also the lm_head
-    read("token_embd.weight", "model.embed_tokens.weight".into(), None, config.tie_word_embeddings)?;
-    read("output_norm.weight", "model.norm.weight".into(), None, false)?;
-    if !config.tie_word_embeddings {
-        read("output.weight", "lm_head.weight".into(), None, true)?;
-    }
-    for i in 0..config.num_hidden_layers {
-        let (b, p) = (format!("blk.{i}"), format!("model.layers.{i}"));
-        read(&format!("{b}.attn_norm.weight"), format!("{p}.input_layernorm.weight"), None, false)?;
-        read(&format!("{b}.ffn_norm.weight"), format!("{p}.post_attention_layernorm.weight"), None, false)?;
-        read(&format!("{b}.attn_q.weight"), format!("{p}.self_attn.q_proj.weight"), Some(config.num_attention_heads), true)?;
-        read(&format!("{b}.attn_k.weight"), format!("{p}.self_attn.k_proj.weight"), Some(config.num_key_value_heads), true)?;
-        read(&format!("{b}.attn_v.weight"), format!("{p}.self_attn.v_proj.weight"), None, true)?;
-        read(&format!("{b}.attn_output.weight"), format!("{p}.self_attn.o_proj.weight"), None, true)?;
-        read(&format!("{b}.ffn_gate.weight"), format!("{p}.mlp.gate_proj.weight"), None, true)?;
-        read(&format!("{b}.ffn_up.weight"), format!("{p}.mlp.up_proj.weight"), None, true)?;
-        read(&format!("{b}.ffn_down.weight"), format!("{p}.mlp.down_proj.weight"), None, true)?;
+        progress(loaded + 1, table.len());
     }
 
     let metadata = content

@@ -3,6 +3,7 @@
 //! (`model.layers.0.self_attn.q_proj.weight`, ...) in the requested dtype and device.
 
 mod gguf;
+mod gguf_header;
 mod safetensors;
 
 use std::collections::HashMap;
@@ -66,42 +67,99 @@ impl Weights {
     /// Checks every tensor the Llama forward needs is present with the right shape, so
     /// that building either engine afterwards cannot fail on a missing weight.
     pub fn check_shapes(&self) -> Result<()> {
-        let c = &self.config;
-        let q = c.num_attention_heads * c.head_dim;
-        let kv = c.num_key_value_heads * c.head_dim;
-        let mut expected: Vec<(String, Vec<usize>)> = vec![
-            ("model.embed_tokens.weight".into(), vec![c.vocab_size, c.hidden_size]),
-            ("model.norm.weight".into(), vec![c.hidden_size]),
-        ];
-        if !c.tie_word_embeddings {
-            expected.push(("lm_head.weight".into(), vec![c.vocab_size, c.hidden_size]));
-        }
-        for i in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            expected.extend([
-                (format!("{p}.input_layernorm.weight"), vec![c.hidden_size]),
-                (format!("{p}.post_attention_layernorm.weight"), vec![c.hidden_size]),
-                (format!("{p}.self_attn.q_proj.weight"), vec![q, c.hidden_size]),
-                (format!("{p}.self_attn.k_proj.weight"), vec![kv, c.hidden_size]),
-                (format!("{p}.self_attn.v_proj.weight"), vec![kv, c.hidden_size]),
-                (format!("{p}.self_attn.o_proj.weight"), vec![c.hidden_size, q]),
-                (format!("{p}.mlp.gate_proj.weight"), vec![c.intermediate_size, c.hidden_size]),
-                (format!("{p}.mlp.up_proj.weight"), vec![c.intermediate_size, c.hidden_size]),
-                (format!("{p}.mlp.down_proj.weight"), vec![c.hidden_size, c.intermediate_size]),
-            ]);
-        }
-        for (name, shape) in expected {
-            let dims = self.dims_of(&name)?;
-            if dims != shape {
-                return Err(Error::load(&self.source, format!("tensor {name} has shape {dims:?}, expected {shape:?}")));
-            }
+        for spec in tensor_table(&self.config) {
+            let dims = self.dims_of(&spec.name)?;
+            spec.check_shape(&dims, &self.source)?;
         }
         Ok(())
     }
 }
 
-/// Called as loading advances with (units done, units in all): tensors for GGUF,
-/// files for safetensors.
+/// One weight of a Llama model, everything kvcandle knows about it stated once: its
+/// Hugging Face name, llama.cpp's name, its shape, and how the GGUF stores it.
+#[derive(Debug, Clone)]
+pub struct TensorSpec {
+    /// The Hugging Face name (`model.layers.0.self_attn.q_proj.weight`).
+    pub name: String,
+    /// llama.cpp's name (`blk.0.attn_q.weight`).
+    pub gguf: String,
+    /// Row-major shape, as Hugging Face stores it.
+    pub shape: Vec<usize>,
+    /// For q and k: the number of heads whose rows llama.cpp reorders (see `gguf::unpermute`).
+    pub rope_heads: Option<usize>,
+    /// A matrix of a linear layer (kept in its quantized blocks with `quantized=True`).
+    pub linear: bool,
+}
+
+impl TensorSpec {
+    fn check_shape(&self, dims: &[usize], source: &Path) -> Result<()> {
+        if dims != self.shape.as_slice() {
+            return Err(Error::load(source, format!("tensor {} has shape {dims:?}, expected {:?}", self.name, self.shape)));
+        }
+        Ok(())
+    }
+}
+
+/// Weights per transformer layer.
+const TENSORS_PER_LAYER: usize = 9;
+
+/// Every weight a Llama model with this (validated) configuration has, in load order.
+pub fn tensor_table(c: &ModelConfig) -> Vec<TensorSpec> {
+    let (h, q, kv, ff) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size);
+    let spec = |name: String, gguf: String, shape: Vec<usize>, rope_heads: Option<usize>, linear: bool| TensorSpec {
+        name,
+        gguf,
+        shape,
+        rope_heads,
+        linear,
+    };
+    let mut table = vec![
+        // the lookup table; tied, it is also the lm_head (a linear layer)
+        spec("model.embed_tokens.weight".into(), "token_embd.weight".into(), vec![c.vocab_size, h], None, c.tie_word_embeddings),
+        spec("model.norm.weight".into(), "output_norm.weight".into(), vec![h], None, false),
+    ];
+    if !c.tie_word_embeddings {
+        table.push(spec("lm_head.weight".into(), "output.weight".into(), vec![c.vocab_size, h], None, true));
+    }
+    for i in 0..c.num_hidden_layers {
+        let layer = [
+            ("input_layernorm", "attn_norm", vec![h], None, false),
+            ("post_attention_layernorm", "ffn_norm", vec![h], None, false),
+            ("self_attn.q_proj", "attn_q", vec![q, h], Some(c.num_attention_heads), true),
+            ("self_attn.k_proj", "attn_k", vec![kv, h], Some(c.num_key_value_heads), true),
+            ("self_attn.v_proj", "attn_v", vec![kv, h], None, true),
+            ("self_attn.o_proj", "attn_output", vec![h, q], None, true),
+            ("mlp.gate_proj", "ffn_gate", vec![ff, h], None, true),
+            ("mlp.up_proj", "ffn_up", vec![ff, h], None, true),
+            ("mlp.down_proj", "ffn_down", vec![h, ff], None, true),
+        ];
+        debug_assert_eq!(layer.len(), TENSORS_PER_LAYER);
+        for (hf, gg, shape, rope_heads, linear) in layer {
+            table.push(spec(format!("model.layers.{i}.{hf}.weight"), format!("blk.{i}.{gg}.weight"), shape, rope_heads, linear));
+        }
+    }
+    table
+}
+
+/// Validates the configuration read from a file holding `present` tensors and returns
+/// its tensor table. The layer count is checked against the tensors present before the
+/// table is built, so a header number cannot make the loader allocate more than the file
+/// holds.
+fn expected_tensors(config: &ModelConfig, present: usize, source: &Path) -> Result<Vec<TensorSpec>> {
+    config.validate().map_err(|r| Error::load(source, r))?;
+    if config.num_hidden_layers > present / TENSORS_PER_LAYER {
+        return Err(Error::load(
+            source,
+            format!(
+                "the configuration has {} layers ({TENSORS_PER_LAYER} weights each) but the file holds only {present} tensors",
+                config.num_hidden_layers
+            ),
+        ));
+    }
+    Ok(tensor_table(config))
+}
+
+/// Called as loading advances with (tensors done, tensors in all).
 pub type Progress<'a> = &'a (dyn Fn(usize, usize) + Sync);
 
 /// Loads a GGUF file or a Hugging Face directory.
@@ -143,7 +201,6 @@ pub fn load_with_progress(path: &Path, dtype: DType, device: &Device, quantized:
             return Err(Error::load(path, format!("malformed file ({msg})")));
         }
     };
-    weights.config.validate().map_err(|r| Error::load(path, r))?;
     weights.check_shapes()?;
     Ok(weights)
 }

@@ -4,31 +4,68 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
+use candle_core::safetensors::{Load, MmapedSafetensors};
 use candle_core::{DType, Device};
 use candle_transformers::models::llama::{LlamaConfig, LlamaEosToks};
 
-use super::{Progress, Weights};
+use super::{expected_tensors, Progress, Weights};
 use crate::config::ModelConfig;
-use crate::error::{Error, Result};
+use crate::error::{message, Error, Result};
 
 pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device, progress: Progress<'_>) -> Result<Weights> {
     let config = read_config(dir)?;
-    let mut tensors = HashMap::new();
     let files = weight_files(dir)?;
-    for (done, file) in files.iter().enumerate() {
-        let loaded = candle_core::safetensors::load(file, &Device::Cpu)
-            .map_err(|e| Error::load(file, format!("not a readable safetensors file: {e}")))?;
-        for (name, t) in loaded {
-            let t = t
-                .to_dtype(dtype)
-                .and_then(|t| t.to_device(device))
-                .map_err(|e| Error::load(file, format!("tensor {name}: {e}")))?;
-            tensors.insert(name, t);
+    // Each shard's header is validated by the safetensors crate (offsets inside the
+    // file, no overlap) when it is mapped; no tensor data is read until every name,
+    // dtype and shape has been checked.
+    let mut shards = Vec::with_capacity(files.len());
+    let mut owner: HashMap<String, usize> = HashMap::new();
+    for (index, file) in files.iter().enumerate() {
+        // SAFETY: the mapping is read-only and lives while the tensors are copied out
+        // of it; as with any mmap, the file must not be truncated meanwhile.
+        let shard = unsafe { MmapedSafetensors::new(file) }
+            .map_err(|e| Error::load(file, format!("not a readable safetensors file: {}", message(e))))?;
+        for (name, _) in shard.tensors() {
+            if let Some(first) = owner.insert(name.clone(), index) {
+                return Err(Error::load(
+                    dir,
+                    format!("tensor {name} appears in both {} and {}", files[first].display(), file.display()),
+                ));
+            }
         }
-        progress(done + 1, files.len());
+        shards.push(shard);
+    }
+    let table = expected_tensors(&config, owner.len(), dir)?;
+    let mut views = Vec::with_capacity(table.len());
+    for spec in &table {
+        let index = *owner.get(&spec.name).ok_or_else(|| Error::load(dir, format!("tensor {} is missing", spec.name)))?;
+        let file = &files[index];
+        let view = shards[index].get(&spec.name).map_err(|e| Error::load(file, message(e)))?;
+        if view.shape() != spec.shape.as_slice() {
+            return Err(Error::load(file, format!("tensor {} has shape {:?}, expected {:?}", spec.name, view.shape(), spec.shape)));
+        }
+        let stored = format!("{:?}", view.dtype());
+        if !FLOAT_DTYPES.contains(&stored.as_str()) {
+            return Err(Error::load(file, format!("tensor {} holds {stored} values; weights must be floats ({})", spec.name, FLOAT_DTYPES.join(", "))));
+        }
+        views.push((spec, file, view));
+    }
+    let mut tensors = HashMap::with_capacity(table.len());
+    let total = views.len();
+    for (done, (spec, file, view)) in views.into_iter().enumerate() {
+        let t = view
+            .load(&Device::Cpu)
+            .and_then(|t| t.to_dtype(dtype))
+            .and_then(|t| t.to_device(device))
+            .map_err(|e| Error::load(file, format!("tensor {}: {}", spec.name, message(e))))?;
+        tensors.insert(spec.name.clone(), t);
+        progress(done + 1, total);
     }
     Ok(Weights { config, tensors, qtensors: HashMap::new(), metadata: HashMap::new(), source: dir.to_path_buf(), format: "safetensors" })
 }
+
+/// The safetensors dtypes weights may be stored in (as the safetensors crate names them).
+const FLOAT_DTYPES: [&str; 4] = ["F16", "BF16", "F32", "F64"];
 
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let single = dir.join("model.safetensors");
