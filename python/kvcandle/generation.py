@@ -10,13 +10,16 @@ token but the last, so the next turn's prompt (the conversation so far) reuses i
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Generator, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from .cache import KVCache
+from ._checks import check_int, refuse, show
 from ._ids import as_ids, common_prefix
+from .errors import InputError
 from .model import Model
 from .sampling import apply_repetition_penalty, check_settings, sample
 
@@ -75,15 +78,44 @@ class Piece:
 
 
 def encode_prompt(model: Model, prompt: Prompt) -> list[int]:
+    """The prompt's token ids: a str is encoded with the model's tokenizer.
+
+    Raises:
+        InputError: the prompt is a str and the model has no tokenizer, or the prompt
+            is empty (no ids).
+        TypeError: the prompt is neither a str nor token ids.
+    """
     if isinstance(prompt, str):
         if model.tokenizer is None:
-            raise ValueError(f"{model.path} has no tokenizer: pass the prompt as token ids")
+            raise InputError(f"{model.path} has no tokenizer: pass the prompt as token ids")
         ids = model.tokenizer.encode(prompt)
     else:
         ids = as_ids(prompt)
     if not ids:
-        raise ValueError("the prompt is empty: generation needs at least one token")
+        raise InputError(f"the prompt is empty: generation needs at least one token, got {show(prompt)}")
     return ids
+
+
+def _max_tokens(value: object) -> int:
+    return check_int("max_tokens", value, minimum=1, rule="a positive int")
+
+
+def _stop_strings(stop: object) -> list[str]:
+    """``stop`` (None, a str or an iterable of str) as a list of non-empty str."""
+    rule = "a non-empty str, a list of non-empty str, or None"
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        if not stop:
+            raise refuse("stop", rule, stop)
+        return [stop]
+    if isinstance(stop, (bytes, bytearray)) or not isinstance(stop, Iterable):
+        raise refuse("stop", rule, stop)
+    stops = list(stop)
+    for i, s in enumerate(stops):
+        if not isinstance(s, str) or not s:
+            raise refuse(f"stop[{i}]", "a non-empty str", s)
+    return stops
 
 
 def generate_step(
@@ -100,11 +132,20 @@ def generate_step(
 ) -> Generator[int, None, None]:
     """Yields token ids forever (the caller stops). Each yielded token is fed to the
     model only when the next one is asked for; the cache is cropped to the prompt's
-    longest common prefix first."""
-    check_settings(temperature, top_k, top_p, repetition_penalty)
+    longest common prefix first.
+
+    Raises:
+        InputError: a bad sampling setting (see :func:`kvcandle.sampling.check_settings`),
+            raised on the first ``next()`` before the cache is touched.
+    """
+    temperature, top_k, top_p, repetition_penalty, seed = check_settings(
+        temperature, top_k, top_p, repetition_penalty, seed
+    )
     stats = stats if stats is not None else Stats()
     rng = np.random.default_rng(seed)
     ids = list(prompt_ids)
+    # everything that could refuse the call is checked before the cache is cropped
+    model.check_sequence(ids, cache)
     keep = common_prefix(cache.tokens, ids)
     if keep < len(cache):
         cache.crop(keep)
@@ -143,14 +184,19 @@ def stream_generate(
 ) -> Iterator[Piece]:
     """Yields the generated text piece by piece. A piece never ends inside a multi-byte
     character, and text that could begin a stop string is held back until it cannot;
-    the pieces join to exactly :func:`generate`'s text."""
+    the pieces join to exactly :func:`generate`'s text.
+
+    Raises:
+        InputError: the model has no tokenizer, the prompt is empty, or a setting is bad
+            (``max_tokens``, ``stop``, or a sampling setting as
+            :func:`kvcandle.sampling.check_settings` checks them); raised before the
+            cache is touched. The message names the setting and its value.
+        TypeError: the prompt is neither a str nor token ids.
+    """
     if model.tokenizer is None:
-        raise ValueError(f"{model.path} has no tokenizer, so text cannot be streamed")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
+        raise InputError(f"{model.path} has no tokenizer, so text cannot be streamed")
+    max_tokens = _max_tokens(max_tokens)
+    stops = _stop_strings(stop)
     tok = model.tokenizer
     ids = encode_prompt(model, prompt)
     cache = cache if cache is not None else model.new_cache()
@@ -227,6 +273,11 @@ def generate(
 
     Returns:
         The text, the generated token ids, the finish reason and timings.
+
+    Raises:
+        InputError: as :func:`stream_generate` (no tokenizer, empty prompt, a bad
+            setting); a refused call leaves ``cache`` as it was.
+        TypeError: the prompt is neither a str nor token ids.
     """
     stats = Stats()
     pieces: list[str] = []

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
+
+from ._checks import check_int, check_number
 
 
 def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty: float) -> np.ndarray:
@@ -20,11 +22,14 @@ def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty
 
 
 def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
-    """Keeps the ``k`` largest logits (ties at the boundary kept), the rest to -inf."""
+    """Keeps the ``k`` largest logits (ties at the boundary kept), the rest to -inf.
+    Returns an array of the same dtype."""
     if k >= logits.shape[-1]:
         return logits
     kth = np.partition(logits, -k)[-k]
-    return np.where(logits >= kth, logits, -np.inf).astype(np.float32)
+    out = np.array(logits, copy=True)
+    out[logits < kth] = -np.inf
+    return out
 
 
 def top_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
@@ -45,6 +50,31 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return z / z.sum()
 
 
+# One function per setting: each checks its rule and returns the plain Python value.
+
+
+def _temperature(value: object) -> float:
+    return check_number("temperature", value, allowed=lambda t: t >= 0, rule="a finite number >= 0")
+
+
+def _top_k(value: object) -> Optional[int]:
+    return None if value is None else check_int("top_k", value, minimum=1, rule="a positive int or None")
+
+
+def _top_p(value: object) -> Optional[float]:
+    return None if value is None else check_number("top_p", value, allowed=lambda p: 0 < p <= 1, rule="a number in (0, 1] or None")
+
+
+def _repetition_penalty(value: object) -> Optional[float]:
+    if value is None:
+        return None
+    return check_number("repetition_penalty", value, allowed=lambda r: r > 0, rule="a finite number > 0 or None")
+
+
+def _seed(value: object) -> Optional[int]:
+    return None if value is None else check_int("seed", value, minimum=0, rule="an int >= 0 or None")
+
+
 def sample(
     logits: np.ndarray,
     *,
@@ -54,26 +84,63 @@ def sample(
     rng: Optional[np.random.Generator] = None,
 ) -> int:
     """The next token id: argmax for temperature 0, otherwise a draw from the
-    temperature-scaled distribution restricted by top-k and top-p."""
-    if temperature == 0.0:
-        return int(np.argmax(logits))
-    scaled = np.asarray(logits, dtype=np.float32) / np.float32(temperature)
-    if top_k is not None:
-        scaled = top_k_filter(scaled, top_k)
-    if top_p is not None:
-        scaled = top_p_filter(scaled, top_p)
+    temperature-scaled distribution restricted by top-k and top-p.
+
+    Any positive finite temperature works: the logits are shifted so their maximum is 0
+    before they are divided (in float64), so a tiny temperature is effectively greedy and
+    a huge one uniform over the tokens top-k and top-p keep.
+
+    Raises:
+        InputError: ``temperature``, ``top_k`` or ``top_p`` breaks its rule (see
+            :func:`check_settings`); the message names the setting and the value.
+    """
+    t, k, p = _temperature(temperature), _top_k(top_k), _top_p(top_p)
+    z = np.asarray(logits, dtype=np.float64)
+    if t == 0.0:
+        return int(np.argmax(z))
+    with np.errstate(over="ignore", under="ignore"):  # a tiny temperature sends the rest to -inf
+        scaled = (z - np.max(z)) / t
+    if k is not None:
+        scaled = top_k_filter(scaled, k)
+    if p is not None:
+        scaled = top_p_filter(scaled, p)
     probs = softmax(scaled)
     rng = rng if rng is not None else np.random.default_rng()
     return int(rng.choice(len(probs), p=probs))
 
 
-def check_settings(temperature: float, top_k: Optional[int], top_p: Optional[float], repetition_penalty: Optional[float]) -> None:
-    """Raises ValueError naming the first bad sampling setting."""
-    if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
-    if repetition_penalty is not None and not (isinstance(repetition_penalty, (int, float)) and repetition_penalty > 0):
-        raise ValueError(f"repetition_penalty must be > 0 or None, got {repetition_penalty!r}")
+class Settings(NamedTuple):
+    """Sampling settings as :func:`check_settings` returns them: plain Python numbers."""
+
+    temperature: float
+    top_k: Optional[int]
+    top_p: Optional[float]
+    repetition_penalty: Optional[float]
+    seed: Optional[int]
+
+
+def check_settings(
+    temperature: float,
+    top_k: Optional[int],
+    top_p: Optional[float],
+    repetition_penalty: Optional[float],
+    seed: Optional[int] = None,
+) -> Settings:
+    """Checks the sampling settings. Numbers may be Python or numpy scalars (never bools).
+
+    Returns:
+        The settings converted to plain Python ``int`` / ``float``.
+
+    Raises:
+        InputError: the first bad setting (a ``ValueError``), named with its value:
+            ``temperature`` not a finite number >= 0, ``top_k`` not a positive int,
+            ``top_p`` not in (0, 1], ``repetition_penalty`` not a finite number > 0,
+            ``seed`` not an int >= 0 (each but ``temperature`` may also be None).
+    """
+    return Settings(
+        _temperature(temperature),
+        _top_k(top_k),
+        _top_p(top_p),
+        _repetition_penalty(repetition_penalty),
+        _seed(seed),
+    )

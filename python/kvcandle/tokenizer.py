@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import warnings
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 from tokenizers import AddedToken, Tokenizer as _HFTokenizer, decoders, models, pre_tokenizers
 
+from ._checks import as_int, show
 from ._ids import as_ids
-from .errors import KVCandleWarning, TokenIdError
+from .errors import KVCandleWarning, ModelLoadError, TokenIdError
 
 if TYPE_CHECKING:
     from . import _core
@@ -20,6 +22,136 @@ if TYPE_CHECKING:
 # llama.cpp's token types
 _CONTROL = 3
 _USER_DEFINED = 4
+
+# GGUF metadata keys
+_KIND = "tokenizer.ggml.model"
+_TOKENS = "tokenizer.ggml.tokens"
+_TYPES = "tokenizer.ggml.token_type"
+_MERGES = "tokenizer.ggml.merges"
+_BOS = "tokenizer.ggml.bos_token_id"
+_EOS = "tokenizer.ggml.eos_token_id"
+_ADD_BOS = "tokenizer.ggml.add_bos_token"
+_TEMPLATE = "tokenizer.chat_template"
+
+Source = Union[str, Path]
+
+
+def _load_error(source: Source, field: Optional[str], reason: str) -> ModelLoadError:
+    """The one format of a tokenizer that cannot be built:
+    ``cannot load tokenizer from {file}: {field}: {reason}`` (no field when the whole
+    file is bad)."""
+    where = f"{field}: " if field else ""
+    return ModelLoadError(f"cannot load tokenizer from {source}: {where}{reason}")
+
+
+@contextmanager
+def _backend_errors(source: Source, field: Optional[str]) -> Iterator[None]:
+    """Turns what the ``tokenizers`` library raises (a bare ``Exception``, or a Rust
+    panic, which is a ``BaseException``) into a ModelLoadError naming ``field``."""
+    try:
+        yield
+    except Exception as e:
+        raise _load_error(source, field, str(e)) from e
+    except BaseException as e:  # pyo3's PanicException; let KeyboardInterrupt and the like through
+        if type(e).__name__ != "PanicException":
+            raise
+        raise _load_error(source, field, f"the tokenizers library failed: {e}") from e
+
+
+def _is_str(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _is_int(value: object) -> bool:
+    return as_int(value) is not None
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _gguf_list(meta: dict[str, Any], key: str, source: Source, item_ok: Callable[[object], bool], item_type: str) -> Optional[list[Any]]:
+    """GGUF array ``key`` (None if absent), every item of which must pass ``item_ok``
+    (be an ``item_type``)."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise _load_error(source, key, f"must be a list of {item_type}, got {show(value)}")
+    if not all(map(item_ok, value)):
+        i = next(i for i, x in enumerate(value) if not item_ok(x))
+        article = "an" if item_type[0] in "aeiou" else "a"
+        raise _load_error(source, f"{key}[{i}]", f"must be {article} {item_type}, got {show(value[i])}")
+    return list(value)
+
+
+def _gguf_value(meta: dict[str, Any], key: str, source: Source, ok: Callable[[object], bool], rule: str) -> Any:
+    """GGUF scalar ``key`` (None if absent), which must pass ``ok``."""
+    value = meta.get(key)
+    if value is not None and not ok(value):
+        raise _load_error(source, key, f"must be {rule}, got {show(value)}")
+    return value
+
+
+def _gguf_token_id(meta: dict[str, Any], key: str, source: Source, vocab_size: int) -> Optional[int]:
+    """GGUF token id ``key`` (None if absent): an int naming one of the tokens."""
+    value = _gguf_value(meta, key, source, _is_int, "an int")
+    if value is None:
+        return None
+    if not 0 <= value < vocab_size:
+        raise _load_error(source, key, f"{value} is not a token id: {_TOKENS} has {vocab_size} tokens")
+    return int(value)
+
+
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of a tokenizer file."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise _load_error(path, None, f"cannot read it: {e.strerror or e}") from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _load_error(path, None, f"not UTF-8 text (byte {e.start}: {e.reason})") from e
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file whose top level is an object."""
+    try:
+        value = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise _load_error(path, None, f"invalid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise _load_error(path, None, f"the top level must be a JSON object, got {type(value).__name__} {show(value)}")
+    return value
+
+
+def _config_token(config: dict[str, Any], name: str, path: Path) -> Optional[str]:
+    """A special token of ``tokenizer_config.json``: a str, {"content": str, ...} or null."""
+    token = config.get(name)
+    if token is None:
+        return None
+    content = token.get("content") if isinstance(token, dict) else token
+    if not isinstance(content, str):
+        raise _load_error(path, name, f'must be a str, {{"content": str, ...}} or null, got {show(token)}')
+    return content
+
+
+def _config_chat_template(config: dict[str, Any], path: Path) -> Optional[str]:
+    """``chat_template`` of ``tokenizer_config.json``: a str, null, or (as transformers
+    writes several) a list of {"name": str, "template": str}, of which "default" is used."""
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    rule = 'must be a str, a list of {"name": str, "template": str} or null'
+    if not isinstance(template, list):
+        raise _load_error(path, "chat_template", f"{rule}, got {show(template)}")
+    named = {}
+    for i, entry in enumerate(template):
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("template"), str)):
+            raise _load_error(path, f"chat_template[{i}]", f"{rule}, got {show(entry)}")
+        named[entry["name"]] = entry["template"]
+    return named.get("default")
 
 
 @lru_cache(maxsize=1)
@@ -146,15 +278,44 @@ class Tokenizer:
         return self._backend.id_to_token(id)
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Optional["Tokenizer"]:
+    def from_gguf_metadata(cls, meta: dict[str, Any], *, source: Source = "GGUF metadata") -> Optional["Tokenizer"]:
         """Builds the tokenizer a GGUF file describes, or None (with a warning) for a
-        tokenizer kind kvcandle does not build yet."""
-        kind = meta.get("tokenizer.ggml.model")
+        tokenizer kind kvcandle does not build yet.
+
+        Args:
+            meta: the file's ``tokenizer.*`` (and ``general.*``) metadata.
+            source: the file, used only in messages.
+
+        Raises:
+            ModelLoadError: a field is missing, of the wrong type, or inconsistent (a merge
+                naming a token that is not in the vocabulary, a token listed twice, token
+                types of another length, a BOS/EOS id outside the vocabulary); the message
+                names ``source`` and the field.
+        """
+        kind = _gguf_value(meta, _KIND, source, _is_str, "a str")
         if kind != "gpt2":
             warnings.warn(f"GGUF tokenizer kind {kind!r} is not supported yet; model.tokenizer is None", KVCandleWarning, stacklevel=3)
             return None
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        tokens: Optional[list[str]] = _gguf_list(meta, _TOKENS, source, _is_str, "str")
+        if tokens is None:
+            raise _load_error(source, _TOKENS, "is missing")
+        if len(set(tokens)) != len(tokens):
+            first: dict[str, int] = {}
+            for i, t in enumerate(tokens):
+                if t in first:
+                    raise _load_error(source, f"{_TOKENS}[{i}]", f"{show(t)} is already token {first[t]}")
+                first[t] = i
+        types = _gguf_list(meta, _TYPES, source, _is_int, "int")
+        if types is None:
+            types = [1] * len(tokens)
+        elif len(types) != len(tokens):
+            raise _load_error(source, _TYPES, f"has {len(types)} entries for {len(tokens)} tokens")
+        merge_list: list[str] = _gguf_list(meta, _MERGES, source, _is_str, "str") or []
+        bos = _gguf_token_id(meta, _BOS, source, len(tokens))
+        eos = _gguf_token_id(meta, _EOS, source, len(tokens))
+        add_bos = _gguf_value(meta, _ADD_BOS, source, _is_bool, "a bool")
+        template = _gguf_value(meta, _TEMPLATE, source, _is_str, "a str")
+
         alphabet = _byte_alphabet()
         letters = set(alphabet.values())
 
@@ -163,8 +324,18 @@ class Tokenizer:
             return token if set(token) <= letters else "".join(alphabet[b] for b in token.encode("utf-8"))
 
         vocab = {spell(t): i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        merges: list[tuple[str, str]] = []
+        for i, m in enumerate(merge_list):
+            pair = m.split(" ")
+            if len(pair) != 2 or not pair[0] or not pair[1]:
+                raise _load_error(source, f"{_MERGES}[{i}]", f"must be two tokens separated by one space, got {show(m)}")
+            a, b = pair
+            if a not in vocab or b not in vocab or a + b not in vocab:  # the backend would fail (or panic) without the index
+                missing = next(t for t in (a, b, a + b) if t not in vocab)
+                raise _load_error(source, f"{_MERGES}[{i}]", f"{show(m)} needs the token {show(missing)}, which is not in {_TOKENS}")
+            merges.append((a, b))
+        with _backend_errors(source, _MERGES):
+            backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         backend.decoder = decoders.ByteLevel()
         special = [
@@ -172,52 +343,69 @@ class Tokenizer:
             for t, ty in zip(tokens, types)
             if ty == _CONTROL and set(t) <= letters
         ]
-        backend.add_special_tokens(special)
         user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
-        if user:
-            backend.add_tokens(user)
-        eos = meta.get("tokenizer.ggml.eos_token_id")
+        with _backend_errors(source, _TOKENS):
+            backend.add_special_tokens(special)
+            if user:
+                backend.add_tokens(user)
         return cls(
             backend,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            bos_token_id=bos,
             eos_token_ids=[eos] if eos is not None else [],
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(add_bos),
+            chat_template=template,
         )
 
     @classmethod
     def from_directory(cls, directory: Path, eos_token_ids: Sequence[int] = ()) -> Optional["Tokenizer"]:
-        """Loads ``tokenizer.json`` (and ``tokenizer_config.json`` if present), or None."""
+        """Loads ``tokenizer.json`` (and ``tokenizer_config.json`` if present), or None
+        when the directory has no ``tokenizer.json``.
+
+        Raises:
+            ModelLoadError: either file cannot be read, is not UTF-8 or not valid JSON,
+                ``tokenizer.json`` is not a tokenizer the ``tokenizers`` library can load,
+                or a field of ``tokenizer_config.json`` (``chat_template``,
+                ``add_bos_token``, ``bos_token``, ``eos_token``) has the wrong type; the
+                message names the file and, for a bad field, the field.
+        """
         path = directory / "tokenizer.json"
         if not path.is_file():
             return None
-        backend = _HFTokenizer.from_file(str(path))
+        text = _read_text(path)
+        with _backend_errors(path, None):
+            backend = _HFTokenizer.from_str(text)
         config: dict[str, Any] = {}
         config_path = directory / "tokenizer_config.json"
         if config_path.is_file():
-            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config = _read_json_object(config_path)
+        add_bos = config.get("add_bos_token")
+        if add_bos is not None and not isinstance(add_bos, bool):
+            raise _load_error(config_path, "add_bos_token", f"must be a bool or null, got {show(add_bos)}")
+        template = _config_chat_template(config, config_path)
+        bos_token = _config_token(config, "bos_token", config_path)
+        eos_token = _config_token(config, "eos_token", config_path)
 
-        def token_id(name: str) -> Optional[int]:
-            token = config.get(name)
-            if isinstance(token, dict):
-                token = token.get("content")
-            return backend.token_to_id(token) if isinstance(token, str) else None
+        def token_id(token: Optional[str]) -> Optional[int]:
+            return backend.token_to_id(token) if token is not None else None
 
-        bos = token_id("bos_token")
-        eos = list(eos_token_ids) or [t for t in [token_id("eos_token")] if t is not None]
-        template = config.get("chat_template")
+        eos_id = token_id(eos_token)
         return cls(
             backend,
-            bos_token_id=bos,
-            eos_token_ids=eos,
-            add_bos_token=bool(config.get("add_bos_token", False)),
-            chat_template=template if isinstance(template, str) else None,
+            bos_token_id=token_id(bos_token),
+            eos_token_ids=list(eos_token_ids) or ([eos_id] if eos_id is not None else []),
+            add_bos_token=bool(add_bos),
+            chat_template=template,
         )
 
     @classmethod
     def for_model(cls, inner: "_core.Model", path: Path) -> Optional["Tokenizer"]:
+        """The tokenizer stored with a loaded model (``path``: its file or directory).
+
+        Raises:
+            ModelLoadError: as :meth:`from_gguf_metadata` / :meth:`from_directory`.
+        """
         if inner.format == "gguf":
-            return cls.from_gguf_metadata(inner.gguf_metadata())
+            return cls.from_gguf_metadata(inner.gguf_metadata(), source=path)
         return cls.from_directory(path, inner.config()["eos_token_ids"])
 
     def __repr__(self) -> str:
