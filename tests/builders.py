@@ -168,3 +168,93 @@ def write_gguf(path, s: Shape, *, arch: str = "llama", seed: int = 0, tokenizer:
 
 def max_abs(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
+
+
+class RawGGUF:
+    """A GGUF file taken apart into its fields, to be changed byte-exactly and written
+    back: metadata entries as (key, type id, encoded value), tensor infos as
+    [name, dims (fastest first), type id, offset], and the data section. Used to build
+    the malformed files a hostile user could hand kvcandle."""
+
+    U32, STRING, ARRAY, U64 = 4, 8, 9, 10
+    _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+    def __init__(self, path: Path) -> None:
+        import struct
+
+        buf = Path(path).read_bytes()
+        self._struct = struct
+        assert buf[:4] == b"GGUF"
+        self.version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        pos = 24
+        self.kvs: list[tuple[str, int, bytes]] = []
+        for _ in range(n_kv):
+            key, pos = self._string(buf, pos)
+            (kind,) = struct.unpack_from("<I", buf, pos)
+            end = self._skip(buf, pos + 4, kind)
+            self.kvs.append((key, kind, buf[pos + 4 : end]))
+            pos = end
+        self.tensors: list[list] = []
+        for _ in range(n_tensors):
+            name, pos = self._string(buf, pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = list(struct.unpack_from(f"<{n_dims}Q", buf, pos + 4))
+            kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            self.tensors.append([name, dims, kind, offset])
+            pos += 4 + 8 * n_dims + 12
+        self.alignment = 32
+        start = -(-pos // self.alignment) * self.alignment
+        self.data = buf[start:]
+
+    def _string(self, buf: bytes, pos: int) -> tuple[str, int]:
+        (n,) = self._struct.unpack_from("<Q", buf, pos)
+        return buf[pos + 8 : pos + 8 + n].decode("utf-8"), pos + 8 + n
+
+    def _skip(self, buf: bytes, pos: int, kind: int) -> int:
+        if kind == self.STRING:
+            (n,) = self._struct.unpack_from("<Q", buf, pos)
+            return pos + 8 + n
+        if kind == self.ARRAY:
+            item, count = self._struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            for _ in range(count):
+                pos = self._skip(buf, pos, item)
+            return pos
+        return pos + self._SIZES[kind]
+
+    def tensor(self, name: str) -> list:
+        return next(t for t in self.tensors if t[0] == name)
+
+    def set(self, key: str, kind: int, value: object) -> None:
+        """Sets (or adds) a scalar metadata entry: u32, u64 or string."""
+        raw = self.encode(kind, value)
+        for i, (k, _, _) in enumerate(self.kvs):
+            if k == key:
+                self.kvs[i] = (key, kind, raw)
+                return
+        self.kvs.append((key, kind, raw))
+
+    def remove(self, key: str) -> None:
+        self.kvs = [kv for kv in self.kvs if kv[0] != key]
+
+    def encode(self, kind: int, value: object) -> bytes:
+        if kind == self.STRING:
+            raw = str(value).encode("utf-8")
+            return self._struct.pack("<Q", len(raw)) + raw
+        return self._struct.pack({self.U32: "<I", self.U64: "<Q"}[kind], value)
+
+    def to_bytes(self) -> bytes:
+        pack = self._struct.pack
+        out = bytearray(b"GGUF" + pack("<IQQ", self.version, len(self.tensors), len(self.kvs)))
+        for key, kind, raw in self.kvs:
+            k = key.encode("utf-8")
+            out += pack("<Q", len(k)) + k + pack("<I", kind) + raw
+        for name, dims, kind, offset in self.tensors:
+            n = name.encode("utf-8")
+            out += pack("<Q", len(n)) + n + pack("<I", len(dims)) + pack(f"<{len(dims)}Q", *dims) + pack("<IQ", kind, offset)
+        out += b"\0" * (-len(out) % self.alignment)
+        return bytes(out + self.data)
+
+    def write(self, path: Path) -> Path:
+        Path(path).write_bytes(self.to_bytes())
+        return Path(path)

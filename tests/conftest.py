@@ -30,6 +30,23 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
+# what may end a test besides an Exception: pytest's own outcomes and the user stopping it
+EXPECTED_BASE_EXCEPTIONS = (Exception, KeyboardInterrupt, SystemExit, pytest.skip.Exception, pytest.fail.Exception, pytest.xfail.Exception)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """A BaseException that is not an Exception (a Rust panic surfaces in Python as
+    pyo3's PanicException, which ``except Exception`` does not catch) fails the test
+    with that said, whatever the test expected."""
+    outcome = yield
+    report = outcome.get_result()
+    error = call.excinfo.value if call.excinfo is not None else None
+    if error is not None and not isinstance(error, EXPECTED_BASE_EXCEPTIONS):
+        report.outcome = "failed"
+        report.longrepr = f"{type(error).__module__}.{type(error).__name__} escaped (a panic reached Python): {error}"
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

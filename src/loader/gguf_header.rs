@@ -103,8 +103,9 @@ impl Reader {
 
     fn string(&mut self, what: &dyn Fn() -> String) -> Check<Vec<u8>> {
         let n = self.u64(what)?;
+        let s = self.bytes(n, what)?; // bounded by the file before anything is allocated
         self.use_memory(n, what)?;
-        self.bytes(n, what)
+        Ok(s)
     }
 
     /// Counts `n` bytes of memory against the budget.
@@ -203,20 +204,26 @@ impl Reader {
         let mut order: Vec<usize> = (0..infos.len()).collect();
         order.sort_unstable_by_key(|&i| infos[i].3);
         let mut expected = 0u64;
+        let mut previous: Option<&str> = None;
         for i in order {
             let (name, _, _, offset, bytes) = &infos[i];
             if *offset != expected {
+                let before = previous.map_or("the data section starts".to_string(), |p| format!("tensor {p} before it ends"));
                 return Err(format!(
-                    "tensor {name} starts at byte {offset} of the data section, but the tensors before it end at {expected}: the tensor table is inconsistent (a changed offset, type or dimension)"
+                    "tensor {name} starts at byte {offset} of the data section, but {before} at {expected}: the tensor table is inconsistent (a changed offset, type or dimension)"
                 ));
             }
             let end = offset.checked_add(*bytes).filter(|&e| e <= data_len).ok_or_else(|| {
                 format!("tensor {name} needs bytes {offset}..{} of the data section, which holds {data_len}", offset.saturating_add(*bytes))
             })?;
             expected = end.div_ceil(alignment) * alignment;
+            previous = Some(name);
         }
-        if !infos.is_empty() && data_len > expected {
-            return Err(format!("{} bytes follow the last tensor's data: the tensor table is inconsistent", data_len - expected));
+        if let Some(last) = previous.filter(|_| data_len > expected) {
+            return Err(format!(
+                "{} bytes follow the data of tensor {last}, the last one: the tensor table is inconsistent (a changed type or dimension)",
+                data_len - expected
+            ));
         }
 
         let mut tensor_infos = HashMap::with_capacity(infos.len());
