@@ -13,6 +13,8 @@ use crate::model::{next_model_id, token_ids};
 
 pub struct UpstreamLlama {
     id: u64,
+    /// Bytes of the float weights: candle's cache tables are refused beyond this.
+    weight_bytes: usize,
     model: Llama,
     config: Config,
     dtype: DType,
@@ -39,15 +41,27 @@ impl UpstreamLlama {
         // and a panic is still caught here rather than reaching the caller.
         let model = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Llama::load(vb, &config)))
             .map_err(|_| Error::load(&w.source, "candle's Llama::load panicked"))??;
-        Ok(Self { id: next_model_id(), model, config, dtype, device })
+        let weight_bytes = w.tensors.values().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum();
+        Ok(Self { id: next_model_id(), weight_bytes, model, config, dtype, device })
     }
 
     pub fn vocab_size(&self) -> usize {
         self.config.vocab_size
     }
 
-    /// `Cache::new(use_kv_cache, dtype, config, device)`.
+    /// `Cache::new(use_kv_cache, dtype, config, device)`. candle's cache precomputes RoPE
+    /// tables (float32 cos and sin) for every position up to the context length; a file
+    /// whose context length would make them larger than its weights is refused rather
+    /// than allowed to allocate gigabytes on a header number.
     pub fn new_cache(&self, use_kv_cache: bool) -> Result<UpstreamCache> {
+        let c = &self.config;
+        let table_bytes = c.max_position_embeddings.saturating_mul(c.hidden_size / c.num_attention_heads).saturating_mul(4);
+        if table_bytes > self.weight_bytes {
+            return Err(Error::Input(format!(
+                "candle's Cache precomputes RoPE tables for all {} positions of the context length ({table_bytes} bytes), more than the model's weights ({} bytes); kvcandle does not allocate that for its reference engine",
+                c.max_position_embeddings, self.weight_bytes
+            )));
+        }
         Ok(UpstreamCache { model_id: self.id, inner: Cache::new(use_kv_cache, self.dtype, &self.config, &self.device)? })
     }
 

@@ -20,6 +20,8 @@ from typing import Callable, Optional
 
 import numpy as np
 import pytest
+
+import kvcandle
 from safetensors.numpy import save_file
 
 from builders import SHAPES, RawGGUF, hf_config, tiny_weights, write_gguf, write_hf_dir
@@ -229,3 +231,19 @@ def test_the_probe_sees_a_memory_blow_up(tmp_path):
     run = subprocess.run([sys.executable, "-c", code, str(write_hf_dir(tmp_path / "ok", GQA))], capture_output=True, text=True, env=env)
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["peak"] > MEMORY_ALLOWANCE + MEMORY_FACTOR * size_of(tmp_path / "ok")
+
+
+def test_upstream_cache_tables_are_bounded_by_the_weights(tmp_path):
+    """candle's own Cache precomputes RoPE tables for the whole context length; for a file
+    claiming 2^24 positions that is 512 MiB for a 170 KB model: refused, typed."""
+    raw = RawGGUF(write_gguf(tmp_path / "seed.gguf", GQA))
+    raw.set("llama.context_length", RawGGUF.U32, 2**24)
+    upstream = kvcandle.load(raw.write(tmp_path / "long.gguf")).upstream()
+    with pytest.raises(kvcandle.InputError, match=r"RoPE tables for all 16777216 positions of the context length \(536870912 bytes\)"):
+        upstream.new_cache(True)
+    short = kvcandle.load(tmp_path / "seed.gguf").upstream()
+    cache = short.new_cache(True)
+    for bad in (-1, 2**63):
+        with pytest.raises(kvcandle.InputError, match=f"index_pos must be a non-negative int below 2\\*\\*63, got {bad}"):
+            short.forward([1], bad, cache)
+    assert short.forward([1, 2], 0, cache).shape == (GQA.vocab,)

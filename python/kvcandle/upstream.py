@@ -21,6 +21,7 @@ import numpy as np
 from . import _core
 from ._default import default_model_path
 from ._ids import Ids, as_ids
+from .errors import InputError
 
 
 class UpstreamCache:
@@ -59,10 +60,15 @@ class UpstreamModel:
         """``Llama::forward(ids, index_pos, cache)``: float32 logits of the last position.
 
         Raises:
+            TypeError: ``index_pos`` is not an int, or ``cache`` not an UpstreamCache.
+            InputError: ``index_pos`` is negative or not below 2**63.
+            TokenIdError, CacheError: as :meth:`kvcandle.Model.forward`.
             EngineError: whatever candle raises (for example its broadcast or narrow errors).
         """
-        if isinstance(index_pos, bool) or not isinstance(index_pos, (int, np.integer)) or index_pos < 0:
-            raise TypeError(f"index_pos must be a non-negative int, got {index_pos!r}")
+        if isinstance(index_pos, bool) or not isinstance(index_pos, (int, np.integer)):
+            raise TypeError(f"index_pos must be an int, got {type(index_pos).__name__} {index_pos!r}")
+        if not 0 <= index_pos < 2**63:
+            raise InputError(f"index_pos must be a non-negative int below 2**63, got {index_pos!r}")
         if not isinstance(cache, UpstreamCache):
             raise TypeError(f"cache must be an UpstreamCache, got {type(cache).__name__}")
         return self._inner.forward(as_ids(ids), int(index_pos), cache._inner)
