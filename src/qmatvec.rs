@@ -58,7 +58,7 @@ impl QKind {
 impl QMatrix {
     /// From GGUF block bytes; None when the sizes do not fit the block type.
     pub fn new(kind: QKind, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
-        if cols % BLOCK != 0 || data.len() != rows * (cols / BLOCK) * kind.block_bytes() {
+        if !cols.is_multiple_of(BLOCK) || data.len() != rows * (cols / BLOCK) * kind.block_bytes() {
             return None;
         }
         let n = kind.scales_per_block();

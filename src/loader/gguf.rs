@@ -89,7 +89,7 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
 /// (heads, d/2, 2, in) -> (heads, 2, d/2, in).
 fn unpermute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     let (out, inp) = w.dims2()?;
-    if heads == 0 || out % heads != 0 || (out / heads) % 2 != 0 {
+    if heads == 0 || out % heads != 0 || !(out / heads).is_multiple_of(2) {
         candle_core::bail!("cannot split {out} rows into {heads} heads of even size");
     }
     let half = out / heads / 2;
@@ -100,7 +100,7 @@ fn unpermute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
 /// row, so whole rows (a fixed number of bytes each) are moved and no value changes.
 fn unpermute_rows_quantized(q: &QTensor, heads: usize) -> candle_core::Result<QTensor> {
     let (out, inp) = q.shape().dims2()?;
-    if heads == 0 || out % heads != 0 || (out / heads) % 2 != 0 {
+    if heads == 0 || out % heads != 0 || !(out / heads).is_multiple_of(2) {
         candle_core::bail!("cannot split {out} rows into {heads} heads of even size");
     }
     let data = q.data()?;

@@ -303,7 +303,7 @@ fn tensor_bytes(dims: &[u64], dtype: GgmlDType) -> Check<u64> {
         .filter(|&n| n <= i64::MAX as u64 && usize::try_from(n).is_ok())
         .ok_or_else(|| format!("has dimensions {dims:?} whose product overflows"))?;
     let block = dtype.block_size() as u64;
-    if dims[0] % block != 0 {
+    if !dims[0].is_multiple_of(block) {
         return Err(format!("has rows of {} values, not a multiple of {dtype:?}'s block of {block}", dims[0]));
     }
     (elements / block)
