@@ -147,3 +147,46 @@ def test_upstream_cache_used_by_another_thread_is_a_cache_error(default_model):
     uses = {"clone": cache.clone, "use_kv_cache": lambda: cache.use_kv_cache, "forward": lambda: up.forward([1], 0, cache)}
     done = refusals_while_busy(lambda: up.forward(list(range(1000, 1400)), 0, cache), uses)
     assert done and done[0].shape == (49152,)
+
+
+@pytest.mark.parametrize(
+    "ids,error,message",
+    [
+        ([2**63], kvcandle.TokenIdError, f"token id {2**63} at index 0"),
+        ([5, 2**64 - 1], kvcandle.TokenIdError, f"token id {2**64 - 1} at index 1"),
+        (np.array([7, 2**64 - 1], dtype=np.uint64), kvcandle.TokenIdError, f"token id {2**64 - 1} at index 1"),
+        ([-(2**70)], kvcandle.TokenIdError, f"token id {-(2**70)} at index 0"),
+    ],
+)
+def test_ids_no_integer_type_holds_are_token_id_errors(tiny, used_cache, ids, error, message):
+    """Never OverflowError: an id too large for any integer type is out of the vocabulary."""
+    before = snapshot(used_cache)
+    with pytest.raises(error, match=message):
+        tiny.forward(ids, used_cache)
+    assert_unchanged(used_cache, before)
+
+
+def refused_generate_cases(model):
+    vocab, limit = model.config.vocab_size, model.config.max_position_embeddings
+    other = kvcandle.load(model.path)  # the same file loaded again: another model
+    return [
+        (dict(prompt=[1, 2, vocab]), kvcandle.TokenIdError, f"token id {vocab} at index 2"),
+        (dict(prompt=[1] * (limit + 1)), kvcandle.PositionError, f"cannot run {limit + 1} token"),
+        (dict(prompt=[1, 2], model=other), kvcandle.CacheError, "made by another model"),
+    ]
+
+
+def test_refused_generate_leaves_the_cache_exactly_as_it_was_and_the_next_call_is_right(default_model):
+    """generate crops a reused cache to its common prefix with the prompt; a prompt it
+    refuses must not have cropped it first. After each refusal the cache continues
+    exactly as a fresh run does."""
+    model = default_model
+    cache = model.new_cache()
+    model.forward([4, 5, 6, 7], cache)
+    for kwargs, error, message in refused_generate_cases(model):
+        with pytest.raises(error, match=message):
+            kvcandle.generate(kwargs.get("model", model), kwargs["prompt"], cache=cache, max_tokens=2)
+        assert cache.tokens == [4, 5, 6, 7]
+    fresh = model.new_cache()
+    model.forward([4, 5, 6, 7], fresh)  # the same pieces: the same arithmetic, bit for bit
+    assert np.array_equal(model.forward([8], cache), model.forward([8], fresh))
