@@ -17,7 +17,7 @@ use pyo3::types::{PyDict, PyInt, PyList, PyType};
 
 use crate::cache::KvCache;
 use crate::device::{compiled_devices, dtype_name, parse_device, parse_dtype};
-use crate::error::{no_panic, Error};
+use crate::error::{no_panic, one_line, Error};
 use crate::loader::{self, Weights};
 use crate::model::Llama;
 use crate::upstream::{UpstreamCache, UpstreamLlama};
@@ -37,7 +37,7 @@ fn error_class(e: &Error) -> &'static str {
 }
 
 fn to_py(py: Python<'_>, e: Error) -> PyErr {
-    let message = e.to_string();
+    let message = one_line(&e.to_string());
     let class = py
         .import("kvcandle.errors")
         .and_then(|m| m.getattr(error_class(&e)))

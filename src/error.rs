@@ -62,7 +62,15 @@ fn without_backtrace(mut e: candle_core::Error) -> candle_core::Error {
 /// RUST_BACKTRACE is set. Every candle error shown to a user goes through this (or
 /// through `From`, which does the same).
 pub(crate) fn message(e: candle_core::Error) -> String {
-    without_backtrace(e).to_string()
+    one_line(&without_backtrace(e).to_string())
+}
+
+/// `text` with control characters (newlines, escapes) written as Rust escapes.
+pub fn one_line(text: &str) -> String {
+    if !text.chars().any(char::is_control) {
+        return text.to_string();
+    }
+    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
 }
 
 /// Runs `f`, turning a panic (a bug in kvcandle or candle, never a bad input) into an
@@ -80,7 +88,9 @@ pub fn no_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
 }
 
 impl Error {
+    /// A load error; names read from the file (keys, tensor names) may hold any
+    /// character, so control characters are escaped to keep the message one line.
     pub(crate) fn load(path: impl Into<PathBuf>, reason: impl std::fmt::Display) -> Self {
-        Error::Load { path: path.into(), reason: reason.to_string() }
+        Error::Load { path: path.into(), reason: one_line(&reason.to_string()) }
     }
 }
