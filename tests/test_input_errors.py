@@ -364,3 +364,65 @@ def test_generate_step_checks_before_touching_the_cache(default_model):
     with pytest.raises(kvcandle.InputError, match="seed must be an int >= 0 or None, got -1"):
         next(steps)
     assert cache.tokens == [1, 2, 3, 4]
+
+
+# --- fuzzing the GGUF tokenizer metadata -----------------------------------------------
+
+
+def mutate_metadata(meta: dict, draw) -> dict:
+    """One hostile change to a copy of a GGUF's tokenizer metadata: a flipped bit or
+    byte in a token or a merge, a value of another type, a removed key, a swapped list."""
+    from hypothesis import strategies as st
+
+    out = dict(meta)
+    key = draw(st.sampled_from(sorted(k for k in meta if k.startswith("tokenizer."))))
+    value = out[key]
+    kind = draw(st.sampled_from(["flip", "retype", "remove", "shrink"]))
+    if kind == "remove":
+        del out[key]
+    elif kind == "retype":
+        out[key] = draw(st.sampled_from([None, 0, -1, 2**40, 1.5, "x", b"x", [], [1, "a"], {"a": 1}, True]))
+    elif isinstance(value, list) and value:
+        items = list(value)
+        i = draw(st.integers(0, len(items) - 1))
+        item = items[i]
+        if kind == "shrink":
+            del items[i]
+        elif isinstance(item, str) and item:
+            raw = bytearray(item.encode("utf-8"))
+            raw[draw(st.integers(0, len(raw) - 1))] ^= 1 << draw(st.integers(0, 7))
+            items[i] = raw.decode("utf-8", errors="replace")
+        elif isinstance(item, int):
+            items[i] = item ^ (1 << draw(st.integers(0, 40)))
+        out[key] = items
+    elif isinstance(value, str) and value:
+        out[key] = value[::-1]
+    elif isinstance(value, int) and not isinstance(value, bool):
+        out[key] = value ^ (1 << draw(st.integers(0, 40)))
+    return out
+
+
+def test_fuzzed_gguf_tokenizer_metadata_builds_or_is_a_model_load_error(meta):
+    """Whatever the mutation, building the tokenizer either works (and then encodes and
+    decodes), or raises ModelLoadError naming the file, or warns for a kind it does not
+    build: never another exception, never a panic."""
+    import warnings
+
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(st.data())
+    def run(data):
+        mutated = mutate_metadata(meta, data.draw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", kvcandle.KVCandleWarning)
+            try:
+                tok = Tokenizer.from_gguf_metadata(mutated, source="fuzz.gguf")
+            except kvcandle.ModelLoadError as e:
+                assert str(e).startswith("cannot load tokenizer from fuzz.gguf: ") and "\n" not in str(e), str(e)
+                return
+        if tok is not None:
+            ids = tok.encode("Hello, world <|im_start|>")
+            assert isinstance(tok.decode(ids), str)
+
+    run()
