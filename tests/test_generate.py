@@ -126,3 +126,49 @@ def test_chat_template_errors_are_value_errors(default_model):
     with pytest.raises(ValueError, match="cannot render"):
         tok.apply_chat_template([{"role": "user", "content": None}])  # the template concatenates strings
     assert tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)[:1] == [1]
+
+
+def test_decode_stream_pieces_join_to_decode(default_model):
+    """The streaming decoder's pieces are decode(ids), less an incomplete character at the
+    end: on texts with CJK, emoji, combining marks, special tokens and whitespace runs,
+    and on random ids (which split and break UTF-8 sequences anywhere)."""
+    tok = default_model.tokenizer
+    texts = ["用中文介绍一下北京：", "emoji 🎉👍🏽 and e\u0301", "<|im_start|>user\nHi<|im_end|>", "  spaces\t\ttabs\n\n"]
+    rng = np.random.default_rng(0)
+    sequences = [tok.encode(t) for t in texts] + [rng.integers(0, tok.vocab_size, 40).tolist() for _ in range(100)]
+    for ids in sequences:
+        stream = tok.decode_stream()
+        pieces = [stream.add(i) for i in ids]
+        assert "".join(pieces) == tok.decode(ids).rstrip("\ufffd")
+    for t, ids in zip(texts, sequences):
+        stream = tok.decode_stream()
+        assert "".join(stream.add(i) for i in ids) == t
+
+
+def test_streaming_never_decodes_the_whole_text_again(default_model, monkeypatch):
+    """stream_generate's cost per token must not grow with the text generated: it never
+    calls decode() on the tokens so far (it used to, at every step)."""
+    expected = kvcandle.generate(default_model, parity.PROMPT, max_tokens=40).text
+
+    def whole_decode(*args, **kwargs):
+        raise AssertionError("stream_generate decoded the whole text again")
+
+    monkeypatch.setattr(default_model.tokenizer, "decode", whole_decode)
+    pieces = list(kvcandle.stream_generate(default_model, parity.PROMPT, max_tokens=40, stop="no such stop"))
+    assert "".join(p.text for p in pieces) == expected and len(pieces) > 10
+
+
+def test_timers_count_the_models_work_not_the_callers(tiny):
+    """The caller sleeps 0.2 s after each token; none of that may count as decoding."""
+    import time
+
+    from kvcandle.generation import Stats, generate_step
+
+    stats = Stats()
+    steps = generate_step(tiny, [1, 2, 3], tiny.new_cache(), stats=stats)
+    for _ in range(5):
+        next(steps)
+        time.sleep(0.2)
+    steps.close()
+    assert stats.generated_tokens == 5 and stats.prefill_tokens == 3
+    assert 0 < stats.prefill_seconds < 0.4 and 0 < stats.decode_seconds < 0.4, stats

@@ -34,7 +34,10 @@ class Stats:
     """Prompt tokens actually run (the rest came from the cache)."""
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
+    """The prefill and the first token's sampling: the time to the first token."""
     decode_seconds: float = 0.0
+    """The forwards and samplings of every later token (never the caller's time between
+    tokens)."""
 
     @property
     def prefill_tps(self) -> float:
@@ -150,21 +153,26 @@ def generate_step(
     if keep < len(cache):
         cache.crop(keep)
     stats.prompt_tokens = len(ids)
-    t0 = time.perf_counter()
-    run_from = min(keep, len(ids) - 1)
-    stats.prefill_tokens = len(ids) - run_from
-    logits = model.prefill(ids, cache)
-    stats.prefill_seconds = time.perf_counter() - t0
+    stats.prefill_tokens = len(ids) - min(keep, len(ids) - 1)
     history = list(ids)
-    t1 = time.perf_counter()
+    # Only the work done here is timed, never the caller's time between tokens: the
+    # prefill and the first sample are the time to the first token, each later forward
+    # plus its sample one decode step.
+    clock = time.perf_counter()
+    logits = model.prefill(ids, cache)
     while True:
         if repetition_penalty is not None:
             logits = apply_repetition_penalty(logits, history, repetition_penalty)
         token = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
+        elapsed = time.perf_counter() - clock
+        if stats.generated_tokens == 0:
+            stats.prefill_seconds += elapsed
+        else:
+            stats.decode_seconds += elapsed
         stats.generated_tokens += 1
-        stats.decode_seconds = time.perf_counter() - t1
         yield token
         history.append(token)
+        clock = time.perf_counter()
         logits = model.forward([token], cache)
 
 
@@ -202,49 +210,47 @@ def stream_generate(
     cache = cache if cache is not None else model.new_cache()
     stats = stats if stats is not None else Stats()
     eos = set(tok.eos_token_ids) | set(model.config.eos_token_ids)
-    tokens: list[int] = []
-    pending: list[int] = []
-    sent = 0  # characters of the decoded text already yielded
+    pending: list[int] = []  # ids generated since the last piece
+    held = ""  # decoded text not yielded yet: it may be the start of a stop string
+    # text arrives from a streaming decoder: each id costs the same however long the
+    # text already is, and a character split across ids comes out once it is complete
+    decoder = tok.decode_stream()
     steps = generate_step(
         model, ids, cache, temperature=temperature, top_k=top_k, top_p=top_p,
         repetition_penalty=repetition_penalty, seed=seed, stats=stats,
     )
     reason = "length"
+    generated = 0
     for token in steps:
         if token in eos:
             reason = "eos"
             break
-        tokens.append(token)
+        generated += 1
         pending.append(token)
-        text = tok.decode(tokens)
-        hit = min((i for i in (text.find(s, max(0, sent - len(s))) for s in stops) if i >= 0), default=-1)
+        held += decoder.add(token)
+        hit = min((i for i in (held.find(s) for s in stops) if i >= 0), default=-1)
         if hit >= 0:
-            yield Piece(text[sent:hit], pending)
-            pending = []
-            sent = hit
+            yield Piece(held[:hit], pending)
+            pending, held = [], ""
             reason = "stop"
             break
-        safe = len(text)
-        if text.endswith("\ufffd"):
-            safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence: wait for more bytes
+        safe = len(held)
         for s in stops:  # hold back a suffix that may grow into a stop string
-            for n in range(min(len(s) - 1, safe - sent), 0, -1):
-                if text[:safe].endswith(s[:n]):
+            for n in range(min(len(s) - 1, safe), 0, -1):
+                if held[:safe].endswith(s[:n]):
                     safe -= n
                     break
-        if safe > sent:
-            yield Piece(text[sent:safe], pending)
-            pending, sent = [], safe
-        if len(tokens) >= max_tokens:
+        if safe > 0:
+            yield Piece(held[:safe], pending)
+            pending, held = [], held[safe:]
+        if generated >= max_tokens:
             break
         if len(cache) + 1 > cache.max_length:
             reason = "context"
             break
     steps.close()
-    text = tok.decode(tokens)
-    # an incomplete UTF-8 sequence at the very end (cut by max_tokens) is not text
-    tail = text[sent:].rstrip("\ufffd") if reason != "stop" else ""
-    yield Piece(tail, pending, reason)
+    # an incomplete UTF-8 sequence at the very end (cut by max_tokens) never left the decoder
+    yield Piece(held, pending, reason)
 
 
 def generate(

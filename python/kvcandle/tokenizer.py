@@ -235,6 +235,12 @@ class Tokenizer:
                 raise TokenIdError(f"token id {t} at index {i} is out of range: the vocabulary has {n} ids (0..{n})")
         return self._backend.decode(checked, skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self) -> "DecodeStream":
+        """A decoder for ids arriving one at a time (generation): ``add(id)`` returns the
+        text that id completes, costing the same however much text came before.
+        Joined, the pieces are ``decode(ids)`` without an incomplete character at the end."""
+        return DecodeStream(self._backend)
+
     def apply_chat_template(
         self,
         messages: Sequence[dict[str, Any]],
@@ -410,3 +416,18 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"
+
+
+class DecodeStream:
+    """Incremental decoding (Hugging Face ``tokenizers``' ``DecodeStream``): see
+    :meth:`Tokenizer.decode_stream`."""
+
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: _HFTokenizer) -> None:
+        self._backend = backend
+        self._stream = decoders.DecodeStream(skip_special_tokens=False)
+
+    def add(self, id: int) -> str:
+        """The text ``id`` completes ("" while a character is still incomplete)."""
+        return self._stream.step(self._backend, id) or ""
