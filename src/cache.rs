@@ -13,7 +13,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Storage, Tensor};
+
+use crate::attention::{decode_attention, LayerKv};
 
 use crate::error::{Error, Result};
 
@@ -214,6 +216,28 @@ impl KvCache {
             Some(store) => Ok((store.keys[layer].narrow(2, 0, len)?, store.values[layer].narrow(2, 0, len)?)),
             None => Err(Error::Cache("the cache has no storage yet".into())),
         }
+    }
+
+    /// Attention of one new position's queries `q` (heads, head_dim) over `layer`'s first
+    /// `len` positions, read in place from the buffers ([`crate::attention`]). None when
+    /// the cache is not float32 in CPU memory (the caller then uses candle's ops).
+    pub(crate) fn attend_one(&self, layer: usize, q: &[f32], len: usize) -> Result<Option<Vec<f32>>> {
+        let store = self.store.as_ref().ok_or_else(|| Error::Cache("the cache has no storage yet".into()))?;
+        if self.layout.dtype != DType::F32 || !self.layout.device.is_cpu() {
+            return Ok(None);
+        }
+        let (ks, kl) = store.keys[layer].storage_and_layout();
+        let (vs, vl) = store.values[layer].storage_and_layout();
+        let (Storage::Cpu(k), Storage::Cpu(v)) = (&*ks, &*vs) else { return Ok(None) };
+        let kv = LayerKv {
+            keys: &k.as_slice::<f32>()?[kl.start_offset()..],
+            values: &v.as_slice::<f32>()?[vl.start_offset()..],
+            kv_heads: self.layout.kv_heads,
+            capacity: store.capacity,
+            len,
+            head_dim: self.layout.head_dim,
+        };
+        Ok(Some(decode_attention(q, &kv)))
     }
 
     /// Records the ids whose keys and values were just written.

@@ -1,6 +1,7 @@
 //! kvcandle: a Llama-family model on candle with a KV cache the caller can see and
 //! control. The engine modules are plain Rust; the Python bindings live in `bindings`.
 
+pub mod attention;
 pub mod cache;
 pub mod config;
 pub mod device;

@@ -247,6 +247,12 @@ impl Llama {
         let v = split(a.v_proj.forward(x)?, kv_heads)?;
         cache.write(index, &k, &v)?;
         let total = offset + seq;
+        if seq == 1 && self.dtype == DType::F32 {
+            // a decode step: one fused pass over the cached keys and values, in place
+            if let Some(y) = cache.attend_one(index, &q.flatten_all()?.to_vec1::<f32>()?, total)? {
+                return Ok(a.o_proj.forward(&Tensor::from_vec(y, (b, 1, heads * d), &self.device)?)?);
+            }
+        }
         let (k, v) = cache.view(index, total)?;
         // candle's gemm backend takes the strided views as they are; Accelerate (macOS) and
         // GPU kernels are stricter about strides, so they get a contiguous copy.

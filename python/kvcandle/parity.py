@@ -556,7 +556,7 @@ def main() -> None:
         print(TABLE_HEADER)
         for row in acc.rows:
             print(row.line())
-        print(f"\nkvcandle's cached decode vs candle's own Llama (the same arithmetic): max|diff| {acc.kvcandle_vs_upstream:.1e}")
+        print(f"\nkvcandle's cached decode vs candle's own Llama (own decode attention kernel): max|diff| {acc.kvcandle_vs_upstream:.1e}")
     print("\n## 4. Greedy generation, 20 tokens, against the float64 reference's tokens")
     for g in greedy_generation(kv, ref):
         print(f"- {g['prompt']!r} -> {g['text']!r} (min top-2 gap {g['min_gap']:.3f}): kvcandle {g['kvcandle']}, transformers {g['transformers']}")
