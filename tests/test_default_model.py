@@ -9,6 +9,7 @@ import pytest
 
 import kvcandle
 from builders import max_abs
+from kvcandle import parity
 
 PROMPT = "The capital of France is"
 
@@ -74,7 +75,10 @@ def test_native_matches_upstream_twenty_decode_steps(default_model, upstream, pr
         a, b = default_model.forward([t], cache), upstream.forward([t], pos, ucache)
         worst = max(worst, max_abs(a, b))
     print(f"native vs upstream, 21 steps: max|diff| = {worst:.3e}")
-    assert worst <= 1e-5
+    # each engine is held within TOLERANCE of float64 (test_parity), so within twice that
+    # of each other; their own difference is rounding noise (kvcandle's decode attention
+    # is its own kernel) and is not asserted tighter
+    assert worst <= 2 * parity.TOLERANCE
 
 
 def test_upstream_index_pos_zero_changes_text_silently(upstream, prompt_ids):
