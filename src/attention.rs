@@ -81,18 +81,15 @@ fn attend_with(q: &[f32], kv: &LayerKv<'_>, chunk: ChunkFn) -> Vec<f32> {
 
 /// One (KV head, chunk of positions) task, on the best instruction set the CPU has.
 fn chunk(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if simd() == Simd::Avx512 {
-            // SAFETY: the CPU has AVX-512F (checked at run time)
-            return unsafe { chunk_avx512(q, kv, h, positions) };
-        }
-        if simd() == Simd::Avx2 {
-            // SAFETY: the CPU has AVX2 and FMA (checked at run time)
-            return unsafe { chunk_avx2(q, kv, h, positions) };
-        }
+    match simd() {
+        // SAFETY: the CPU has AVX-512F (checked at run time)
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 => unsafe { chunk_avx512(q, kv, h, positions) },
+        // SAFETY: the CPU has AVX2 and FMA (checked at run time)
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { chunk_avx2(q, kv, h, positions) },
+        Simd::Portable => chunk_portable(q, kv, h, positions),
     }
-    chunk_portable(q, kv, h, positions)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -167,7 +164,9 @@ fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Simd {
+    #[cfg(target_arch = "x86_64")]
     Avx512,
+    #[cfg(target_arch = "x86_64")]
     Avx2,
     Portable,
 }
