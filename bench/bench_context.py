@@ -13,24 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
 import numpy as np
 
 import kvcandle
-
-
-def cpu_features() -> str:
-    flags: set[str] = set()
-    if os.path.exists("/proc/cpuinfo"):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith(("flags", "Features")):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    simd = sorted(f for f in flags if f.startswith(("avx", "fma", "amx", "asimd", "sve")))
-    return f"{platform.machine()} {' '.join(simd) or '(no SIMD flags read)'}"
+from kvcandle._platform import cpu_description
 
 
 def main() -> None:
@@ -42,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model = kvcandle.load(quantized=args.quantized)
-    print(f"cpu: {cpu_features()}")
+    print(f"cpu: {cpu_description()}")
     print(f"threads: RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS', '(kvcandle default)')}; {os.cpu_count()} CPUs")
     print(f"model: {model}")
     rng = np.random.default_rng(0)

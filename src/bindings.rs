@@ -350,22 +350,12 @@ impl KVCache {
 
     /// Keeps the first n positions. Returns how many were dropped.
     fn crop(slf: &Bound<'_, Self>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let mut guard = write(slf)?;
-        let result = match int_arg(n)? {
-            Ok(n) => guard.inner.crop(n),
-            Err(written) => Err(guard.inner.count_error("crop to", &written)),
-        };
-        result.py_err(slf.py())
+        shorten(slf, n, false)
     }
 
     /// Drops the last n positions. Returns how many were dropped (n).
     fn trim(slf: &Bound<'_, Self>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let mut guard = write(slf)?;
-        let result = match int_arg(n)? {
-            Ok(n) => guard.inner.trim(n),
-            Err(written) => Err(guard.inner.count_error("trim", &written)),
-        };
-        result.py_err(slf.py())
+        shorten(slf, n, true)
     }
 
     fn fork(slf: &Bound<'_, Self>) -> PyResult<KVCache> {
@@ -383,6 +373,18 @@ impl KVCache {
         let t = no_panic(|| guard.inner.layer_tensor(layer, true)).py_err(slf.py())?;
         to_numpy(slf.py(), t)
     }
+}
+
+/// `crop(n)` or (`trim`) `trim(n)`; an int no i64 holds is out of range like any other.
+fn shorten(slf: &Bound<'_, KVCache>, n: &Bound<'_, PyAny>, trim: bool) -> PyResult<usize> {
+    let mut guard = write(slf)?;
+    let cache = &mut guard.inner;
+    let result = match int_arg(n)? {
+        Ok(n) if trim => cache.trim(n),
+        Ok(n) => cache.crop(n),
+        Err(written) => Err(cache.count_error(trim, &written)),
+    };
+    result.py_err(slf.py())
 }
 
 /// candle-transformers' `Llama`, as shipped.

@@ -114,7 +114,7 @@ impl KvCache {
     /// Keeps the first `n` positions. O(1): only the length changes. Returns the number
     /// of positions dropped.
     pub fn crop(&mut self, n: i64) -> Result<usize> {
-        let keep = self.count(n, "crop to")?;
+        let keep = self.count(n, false)?;
         let dropped = self.len() - keep;
         self.tokens.truncate(keep);
         Ok(dropped)
@@ -122,27 +122,28 @@ impl KvCache {
 
     /// Drops the last `n` positions. O(1). Returns `n`, the number dropped.
     pub fn trim(&mut self, n: i64) -> Result<usize> {
-        let drop = self.count(n, "trim")?;
+        let drop = self.count(n, true)?;
         self.tokens.truncate(self.len() - drop);
         Ok(drop)
     }
 
     /// `n` as a count of positions this cache holds: in `[0, len]`.
-    fn count(&self, n: i64, verb: &str) -> Result<usize> {
+    fn count(&self, n: i64, trim: bool) -> Result<usize> {
         match usize::try_from(n) {
             Ok(k) if k <= self.len() => Ok(k),
-            _ => Err(self.count_error(verb, &n)),
+            _ => Err(self.count_error(trim, &n)),
         }
     }
 
-    /// The error for `crop`/`trim` given `n` outside `[0, len]` (also for numbers that
+    /// The error for `crop` (or `trim`) given `n` outside `[0, len]` (also for numbers that
     /// fit no integer type, as the caller wrote them). A negative crop length is refused
     /// rather than read as "drop from the end": `crop(-0)` could not be told from
     /// `crop(0)`; `trim(n)` says it.
-    pub fn count_error(&self, verb: &str, n: &dyn std::fmt::Display) -> Error {
+    pub fn count_error(&self, trim: bool, n: &dyn std::fmt::Display) -> Error {
         let (len, n) = (self.len(), n.to_string());
+        let verb = if trim { "trim" } else { "crop to" };
         let hint = match n.strip_prefix('-') {
-            Some(m) if verb == "crop to" => format!("; to drop the last {m} positions use trim({m})"),
+            Some(m) if !trim => format!("; to drop the last {m} positions use trim({m})"),
             _ => String::new(),
         };
         Error::Input(format!("cannot {verb} {n}: the cache holds {len} positions, so n must be in [0, {len}]{hint}"))

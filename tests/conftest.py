@@ -4,29 +4,22 @@ default model, each loaded once per test session."""
 from __future__ import annotations
 
 import os
-import platform
 from pathlib import Path
 
 import pytest
 
 import kvcandle
+from kvcandle._platform import cpu_description
 from builders import SHAPES, write_hf_dir
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """Where kvcandle was imported from (the installed wheel, in CI), the thread count both
     engines use, and the CPU, so every result can be read against its machine."""
-    flags: set[str] = set()
-    if os.path.exists("/proc/cpuinfo"):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith(("flags", "Features")):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    simd = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "amx", "asimd", "sve", "neon")))
     return [
         f"kvcandle {kvcandle.__version__} from {Path(kvcandle._core.__file__).parent}",
         f"threads: RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS')} (kvcandle and torch); {os.cpu_count()} CPUs",
-        f"cpu: {platform.machine()} {platform.processor() or ''} SIMD: {' '.join(simd) or 'unknown'}",
+        f"cpu: {cpu_description()}",
     ]
 
 
