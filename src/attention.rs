@@ -12,7 +12,9 @@
 //! which the compiler turns into SIMD; x86 builds carry AVX-512 and AVX2+FMA versions of
 //! the same code chosen at run time (aarch64's NEON is always there).
 
-use rayon::prelude::*;
+use std::sync::OnceLock;
+
+use crate::team::Team;
 
 /// Positions per task: enough work to be worth a hand-off, few enough to spread a
 /// 2,048-position cache of 3 KV heads over many threads.
@@ -51,14 +53,13 @@ fn attend_with(q: &[f32], kv: &LayerKv<'_>, chunk: ChunkFn) -> Vec<f32> {
     let heads = q.len() / d;
     let n_rep = heads / kv.kv_heads;
     let chunks = kv.len.div_ceil(CHUNK).max(1);
-    let tasks: Vec<Vec<Partial>> = (0..kv.kv_heads * chunks)
-        .into_par_iter()
-        .map(|t| {
-            let (h, c) = (t / chunks, t % chunks);
-            let positions = c * CHUNK..((c + 1) * CHUNK).min(kv.len);
-            chunk(&q[h * n_rep * d..(h + 1) * n_rep * d], kv, h, positions)
-        })
-        .collect();
+    let tasks: Vec<OnceLock<Vec<Partial>>> = (0..kv.kv_heads * chunks).map(|_| OnceLock::new()).collect();
+    Team::global().run(tasks.len(), &|t| {
+        let (h, c) = (t / chunks, t % chunks);
+        let positions = c * CHUNK..((c + 1) * CHUNK).min(kv.len);
+        let _ = tasks[t].set(chunk(&q[h * n_rep * d..(h + 1) * n_rep * d], kv, h, positions));
+    });
+    let tasks: Vec<Vec<Partial>> = tasks.into_iter().map(|t| t.into_inner().expect("every task ran")).collect();
     let mut out = vec![0.0f32; heads * d];
     for h in 0..kv.kv_heads {
         for r in 0..n_rep {

@@ -211,6 +211,18 @@ impl KvCache {
         Ok(())
     }
 
+    /// Writes one new position's keys and values (kv_heads * head_dim floats each) of
+    /// `layer` at the end of the cache, in place. Positions must have been reserved; the
+    /// cache must be float32 in CPU memory.
+    pub(crate) fn write_one(&self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        let store = self.store.as_ref().expect("reserve() runs before write_one()");
+        let (heads, d) = (self.layout.kv_heads, self.layout.head_dim);
+        for (t, data) in [(&store.keys[layer], k), (&store.values[layer], v)] {
+            t.inplace_op1(&WritePosition { data, pos: self.len(), capacity: store.capacity, heads, head_dim: d })?;
+        }
+        Ok(())
+    }
+
     /// Views of the first `len` positions of `layer`'s keys and values (no copy).
     pub(crate) fn view(&self, layer: usize, len: usize) -> Result<(Tensor, Tensor)> {
         match &self.store {
@@ -260,6 +272,35 @@ impl KvCache {
         }
         let (k, v) = self.view(layer, self.len())?;
         Ok(if values { v } else { k }.contiguous()?)
+    }
+}
+
+/// Copies one position's heads into a (1, heads, capacity, head_dim) float32 buffer.
+struct WritePosition<'a> {
+    data: &'a [f32],
+    pos: usize,
+    capacity: usize,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl candle_core::InplaceOp1 for WritePosition<'_> {
+    fn name(&self) -> &'static str {
+        "kvcandle-write-position"
+    }
+
+    fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<()> {
+        let candle_core::CpuStorage::F32(buf) = storage else { candle_core::bail!("the cache is not float32") };
+        let d = self.head_dim;
+        if self.data.len() != self.heads * d || self.pos >= self.capacity || layout.dims() != [1, self.heads, self.capacity, d] {
+            candle_core::bail!("cache write of {} floats at position {} does not fit {:?}", self.data.len(), self.pos, layout.dims());
+        }
+        let start = layout.start_offset();
+        for (h, src) in self.data.chunks_exact(d).enumerate() {
+            let at = start + (h * self.capacity + self.pos) * d;
+            buf[at..at + d].copy_from_slice(src);
+        }
+        Ok(())
     }
 }
 

@@ -8,9 +8,11 @@ pub mod device;
 pub mod error;
 pub mod linear;
 pub mod loader;
+pub mod matvec;
 pub mod model;
 pub mod qmatvec;
 pub mod rope;
+pub mod team;
 pub mod upstream;
 
 #[cfg(feature = "python")]

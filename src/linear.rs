@@ -1,36 +1,34 @@
-//! Linear layers for the native engine.
+//! Linear layers for the native engine: a float matrix (a candle tensor), a matrix kept in
+//! GGUF quantized blocks ([`crate::qmatvec`]), or a stack of either.
 //!
-//! candle's CPU matmul runs a single-row product (a decode step) on one thread, which
-//! leaves the other cores idle while the weights stream through one core's memory
-//! bandwidth. For one row, this layer splits the weight's output rows into one block
-//! per thread (contiguous views: nothing is copied) and runs the blocks in parallel; the
-//! per-element reduction is the same, so results do not change. More rows go through
-//! candle's multi-threaded matmul as they are.
+//! Two ways in: [`Module::forward`] for products of many rows (prefill), through candle;
+//! and [`Linear::view`] for one input vector (a decode step), which borrows the weights
+//! in place so that the threads of a step compute ranges of rows ([`View::mul_rows`]) with
+//! kvcandle's own kernels ([`crate::matvec`], [`crate::qmatvec`]).
 //!
-//! A quantized model keeps Q4_1 / Q8_0 matrices in their GGUF blocks: a decode step
-//! reads a quarter to an eighth of the bytes through [`crate::qmatvec`]; products of more
-//! rows (prefill) dequantize the matrix and use the float path.
+//! Matrices that read the same input are stacked at load ([`Linear::stack`]): q, k and v
+//! become one matrix and gate and up another, so a decode step reads its input once per
+//! stack and hands out one job instead of three.
+
+use std::sync::RwLockReadGuard;
 
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Module, Result, Storage, Tensor};
 
-use crate::qmatvec::{QKind, QMatrix};
-
-/// Rows up to which a quantized layer runs one matrix-vector product per row.
-const QUANTIZED_MAX_ROWS: usize = 8;
-
-/// Rows up to which the split path is used: single-row decode steps only, so that every
-/// multi-row product (prefill, chunks) takes the same path whatever its row count.
-const SPLIT_MAX_ROWS: usize = 1;
+use crate::matvec;
+use crate::qmatvec::{QInput, QKind, QMatrix};
+use crate::team::{Shards, Team};
 
 pub enum Linear {
-    Float(FloatLinear),
+    Float(candle_nn::Linear),
     Quantized(QMatrix),
+    /// Matrices of different kinds that read the same input, rows in order.
+    Stack(Vec<Linear>),
 }
 
 impl Linear {
-    pub fn new(weight: Tensor) -> Result<Self> {
-        Ok(Self::Float(FloatLinear::new(weight)?))
+    pub fn new(weight: Tensor) -> Self {
+        Self::Float(candle_nn::Linear::new(weight, None))
     }
 
     /// Q4_1 and Q8_0 blocks are kept; other block types are dequantized to `dtype` on
@@ -47,7 +45,73 @@ impl Linear {
                 return Ok(Self::Quantized(m));
             }
         }
-        Self::new(weight.dequantize(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?)
+        Ok(Self::new(weight.dequantize(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?))
+    }
+
+    /// One layer whose output rows are those of `parts` in order: one matrix when they
+    /// are all float or all of one block type (the parts' memory is released), else a
+    /// [`Linear::Stack`].
+    pub fn stack(parts: Vec<Linear>) -> Result<Self> {
+        if parts.iter().all(|p| matches!(p, Linear::Float(_))) {
+            let weights: Vec<&Tensor> = parts.iter().filter_map(|p| if let Linear::Float(l) = p { Some(l.weight()) } else { None }).collect();
+            return Ok(Self::new(Tensor::cat(&weights, 0)?));
+        }
+        let qs: Vec<&QMatrix> = parts.iter().filter_map(|p| if let Linear::Quantized(q) = p { Some(q) } else { None }).collect();
+        if qs.len() == parts.len() {
+            if let Some(m) = QMatrix::stack(&qs) {
+                return Ok(Self::Quantized(m));
+            }
+        }
+        Ok(Self::Stack(parts))
+    }
+
+    pub fn out_features(&self) -> usize {
+        match self {
+            Linear::Float(l) => l.weight().dim(0).unwrap_or(0),
+            Linear::Quantized(q) => q.rows(),
+            Linear::Stack(parts) => parts.iter().map(Linear::out_features).sum(),
+        }
+    }
+
+    fn needs_q8(&self) -> bool {
+        match self {
+            Linear::Float(_) => false,
+            Linear::Quantized(_) => true,
+            Linear::Stack(parts) => parts.iter().any(Linear::needs_q8),
+        }
+    }
+
+    /// The input vector `x` prepared once for every row range of this layer.
+    pub fn prepare<'x>(&self, x: &'x [f32]) -> Input<'x> {
+        Input { x, q: self.needs_q8().then(|| QMatrix::prepare(x)) }
+    }
+
+    /// The weights borrowed for decode kernels; None unless they are float32 (or blocks)
+    /// in CPU memory.
+    pub fn view(&self) -> Option<View<'_>> {
+        Some(match self {
+            Linear::Float(l) => {
+                let w = l.weight();
+                let (rows, cols) = w.dims2().ok()?;
+                let (guard, layout) = w.storage_and_layout();
+                let start = layout.contiguous_offsets()?.0;
+                match &*guard {
+                    Storage::Cpu(s) if s.as_slice::<f32>().is_ok() => {}
+                    _ => return None,
+                }
+                View::Float { guard, start, rows, cols }
+            }
+            Linear::Quantized(q) => View::Quantized(q),
+            Linear::Stack(parts) => {
+                let mut views = Vec::with_capacity(parts.len());
+                let mut first = 0;
+                for p in parts {
+                    views.push((first, p.view()?));
+                    first += p.out_features();
+                }
+                View::Stack(views)
+            }
+        })
     }
 }
 
@@ -56,9 +120,61 @@ impl Module for Linear {
         match self {
             Self::Float(l) => l.forward(x),
             Self::Quantized(q) => quantized_forward(q, x),
+            Self::Stack(parts) => {
+                let outs = parts.iter().map(|p| p.forward(x)).collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&outs, outs[0].rank() - 1)
+            }
         }
     }
 }
+
+/// An input vector and, for quantized rows, its int8 form.
+pub struct Input<'x> {
+    x: &'x [f32],
+    q: Option<QInput>,
+}
+
+/// A layer's weights borrowed for a decode step (the storage stays read-locked).
+pub enum View<'a> {
+    Float { guard: RwLockReadGuard<'a, Storage>, start: usize, rows: usize, cols: usize },
+    Quantized(&'a QMatrix),
+    Stack(Vec<(usize, View<'a>)>),
+}
+
+impl View<'_> {
+    pub fn out_features(&self) -> usize {
+        match self {
+            View::Float { rows, .. } => *rows,
+            View::Quantized(q) => q.rows(),
+            View::Stack(v) => v.iter().map(|(_, p)| p.out_features()).sum(),
+        }
+    }
+
+    /// `out[i] = W[first + i] · x` with the kernels this CPU runs.
+    pub fn mul_rows(&self, input: &Input<'_>, first: usize, out: &mut [f32]) {
+        match self {
+            View::Float { guard, start, rows, cols } => {
+                let Storage::Cpu(s) = &**guard else { unreachable!("checked in Linear::view") };
+                let w = &s.as_slice::<f32>().expect("checked in Linear::view")[*start..start + rows * cols];
+                matvec::kernel().mul_rows(w, input.x, first, out);
+            }
+            View::Quantized(q) => q.mul_rows(input.q.as_ref().expect("prepared for quantized rows"), first, out),
+            View::Stack(parts) => {
+                let end = first + out.len();
+                for (start, p) in parts {
+                    let (lo, hi) = (first.max(*start), end.min(start + p.out_features()));
+                    if lo < hi {
+                        p.mul_rows(input, lo - start, &mut out[lo - first..hi - first]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Products of a few rows run one matrix-vector product per row; more rows dequantize
+/// the matrix and use the float path.
+const QUANTIZED_MAX_ROWS: usize = 8;
 
 fn quantized_forward(q: &QMatrix, x: &Tensor) -> Result<Tensor> {
     let dims = x.dims().to_vec();
@@ -75,53 +191,16 @@ fn quantized_forward(q: &QMatrix, x: &Tensor) -> Result<Tensor> {
     }
     let input = x.flatten_all()?.to_vec1::<f32>()?;
     let mut out = vec![0f32; rows * q.rows()];
+    const ROWS_PER_TASK: usize = 64;
+    let tasks = q.rows().div_ceil(ROWS_PER_TASK);
     for (xr, or) in input.chunks(cols).zip(out.chunks_mut(q.rows())) {
-        q.matvec(xr, or);
+        let prepared = QMatrix::prepare(xr);
+        let shards = Shards::new(or);
+        Team::global().run(tasks, &|t| {
+            let rows = t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(q.rows());
+            // SAFETY: tasks cover disjoint row ranges
+            q.mul_rows(&prepared, rows.start, unsafe { shards.part(rows) });
+        });
     }
     Tensor::from_vec(out, out_dims, x.device())
-}
-
-pub struct FloatLinear {
-    inner: candle_nn::Linear,
-    blocks: Vec<Tensor>,
-}
-
-impl FloatLinear {
-    pub fn new(weight: Tensor) -> Result<Self> {
-        let threads = candle_core::utils::get_num_threads();
-        let out = weight.dim(0)?;
-        let parallel = weight.device().is_cpu() && !cfg!(target_os = "macos") && threads > 1 && out >= 64 * threads;
-        let mut blocks = Vec::new();
-        if parallel {
-            let step = out.div_ceil(threads);
-            let mut start = 0;
-            while start < out {
-                let len = step.min(out - start);
-                blocks.push(weight.narrow(0, start, len)?);
-                start += len;
-            }
-        }
-        Ok(Self { inner: candle_nn::Linear::new(weight, None), blocks })
-    }
-}
-
-impl Module for FloatLinear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims();
-        let k = *dims.last().unwrap_or(&0);
-        let rows = x.elem_count().checked_div(k).unwrap_or(0);
-        if self.blocks.len() < 2 || rows > SPLIT_MAX_ROWS || !x.is_contiguous() {
-            return self.inner.forward(x);
-        }
-        let flat = x.reshape((rows, k))?;
-        let parts: Vec<Result<Tensor>> = {
-            use rayon::prelude::*;
-            self.blocks.par_iter().map(|w| flat.matmul(&w.t()?)).collect()
-        };
-        let parts = parts.into_iter().collect::<Result<Vec<_>>>()?;
-        let y = Tensor::cat(&parts, 1)?;
-        let mut out_dims = dims.to_vec();
-        *out_dims.last_mut().expect("rank >= 1") = y.dim(1)?;
-        y.reshape(out_dims)
-    }
 }

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
-use candle_nn::{Embedding, RmsNorm};
+use candle_nn::Embedding;
 
 use crate::cache::{CacheLayout, KvCache};
 use crate::config::ModelConfig;
@@ -23,22 +23,23 @@ pub(crate) fn next_model_id() -> u64 {
     NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed)
 }
 
+mod decode;
+
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// q, k and v stacked: (heads + 2 kv_heads) * head_dim output rows
+    qkv: Linear,
     o_proj: Linear,
 }
 
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    /// gate then up: 2 * intermediate_size output rows
+    gate_up: Linear,
     down_proj: Linear,
 }
 
 struct Layer {
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
+    input_layernorm: Norm,
+    post_attention_layernorm: Norm,
     attn: Attention,
     mlp: Mlp,
 }
@@ -51,9 +52,11 @@ pub struct Llama {
     device: Device,
     embed_tokens: Embedding,
     layers: Vec<Layer>,
-    norm: RmsNorm,
+    norm: Norm,
     lm_head: Linear,
     rope: Rope,
+    /// Whether single tokens take kvcandle's own step ([`decode`]): float32 in CPU memory.
+    decode: bool,
 }
 
 impl Llama {
@@ -64,10 +67,10 @@ impl Llama {
             let name = format!("{name}.weight");
             Ok(match w.qtensors.get(&name) {
                 Some(q) => Linear::quantized(q, w.dtype(), &w.device())?,
-                None => Linear::new(w.get(&name)?.clone())?,
+                None => Linear::new(w.get(&name)?.clone()),
             })
         };
-        let norm = |name: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(w.get(&format!("{name}.weight"))?.clone(), c.rms_norm_eps)) };
+        let norm = |name: &str| -> Result<Norm> { Norm::new(w.get(&format!("{name}.weight"))?.clone(), c.rms_norm_eps) };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
@@ -75,14 +78,11 @@ impl Llama {
                 input_layernorm: norm(&format!("{p}.input_layernorm"))?,
                 post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm"))?,
                 attn: Attention {
-                    q_proj: linear(&format!("{p}.self_attn.q_proj"))?,
-                    k_proj: linear(&format!("{p}.self_attn.k_proj"))?,
-                    v_proj: linear(&format!("{p}.self_attn.v_proj"))?,
+                    qkv: Linear::stack(["q_proj", "k_proj", "v_proj"].iter().map(|n| linear(&format!("{p}.self_attn.{n}"))).collect::<Result<_>>()?)?,
                     o_proj: linear(&format!("{p}.self_attn.o_proj"))?,
                 },
                 mlp: Mlp {
-                    gate_proj: linear(&format!("{p}.mlp.gate_proj"))?,
-                    up_proj: linear(&format!("{p}.mlp.up_proj"))?,
+                    gate_up: Linear::stack(["gate_proj", "up_proj"].iter().map(|n| linear(&format!("{p}.mlp.{n}"))).collect::<Result<_>>()?)?,
                     down_proj: linear(&format!("{p}.mlp.down_proj"))?,
                 },
             });
@@ -91,6 +91,7 @@ impl Llama {
         let lm_head = if c.tie_word_embeddings { linear("model.embed_tokens")? } else { linear("lm_head")? };
         let dtype = embeddings.dtype();
         let device = embeddings.device().clone();
+        let decode = device.is_cpu() && dtype == DType::F32;
         Ok(Self {
             id: next_model_id(),
             config: c.clone(),
@@ -102,6 +103,7 @@ impl Llama {
             rope: Rope::new(c, dtype, &device)?,
             dtype,
             device,
+            decode,
         })
     }
 
@@ -205,6 +207,15 @@ impl Llama {
     /// with `all_logits`, else only the last row of the last chunk).
     fn forward_chunk(&self, ids: &[u32], cache: &mut KvCache, all_logits: bool, last: bool) -> Result<Option<Tensor>> {
         let seq = ids.len();
+        if seq == 1 && self.decode {
+            let logits = self.decode_one(ids[0], cache)?;
+            let vocab = self.config.vocab_size;
+            return Ok(match (all_logits, last) {
+                (true, _) => Some(Tensor::from_vec(logits, (1, vocab), &self.device)?),
+                (false, true) => Some(Tensor::from_vec(logits, vocab, &self.device)?),
+                (false, false) => None,
+            });
+        }
         cache.reserve(seq)?;
         let input = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
         let mut x = self.embed_tokens.forward(&input)?;
@@ -232,7 +243,9 @@ impl Llama {
         let x = (x + h)?;
         let h = layer.post_attention_layernorm.forward(&x)?;
         let m = &layer.mlp;
-        let h = (candle_nn::ops::silu(&m.gate_proj.forward(&h)?)? * m.up_proj.forward(&h)?)?;
+        let gate_up = m.gate_up.forward(&h)?;
+        let inter = self.config.intermediate_size;
+        let h = (candle_nn::ops::silu(&gate_up.narrow(2, 0, inter)?)? * gate_up.narrow(2, inter, inter)?)?;
         Ok((x + m.down_proj.forward(&h)?)?)
     }
 
@@ -242,17 +255,12 @@ impl Llama {
         let (heads, kv_heads, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let offset = cache.len();
         let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> { t.reshape((b, seq, n, d))?.transpose(1, 2)?.contiguous() };
-        let q = Rope::apply(&split(a.q_proj.forward(x)?, heads)?, rope)?;
-        let k = Rope::apply(&split(a.k_proj.forward(x)?, kv_heads)?, rope)?;
-        let v = split(a.v_proj.forward(x)?, kv_heads)?;
+        let qkv = a.qkv.forward(x)?;
+        let q = Rope::apply(&split(qkv.narrow(2, 0, heads * d)?, heads)?, rope)?;
+        let k = Rope::apply(&split(qkv.narrow(2, heads * d, kv_heads * d)?, kv_heads)?, rope)?;
+        let v = split(qkv.narrow(2, (heads + kv_heads) * d, kv_heads * d)?, kv_heads)?;
         cache.write(index, &k, &v)?;
         let total = offset + seq;
-        if seq == 1 && self.dtype == DType::F32 {
-            // a decode step: one fused pass over the cached keys and values, in place
-            if let Some(y) = cache.attend_one(index, &q.flatten_all()?.to_vec1::<f32>()?, total)? {
-                return Ok(a.o_proj.forward(&Tensor::from_vec(y, (b, 1, heads * d), &self.device)?)?);
-            }
-        }
         let (k, v) = cache.view(index, total)?;
         // candle's gemm backend takes the strided views as they are; Accelerate (macOS) and
         // GPU kernels are stricter about strides, so they get a contiguous copy.
@@ -273,6 +281,35 @@ impl Llama {
         let y = att.matmul(&v)?.to_dtype(self.dtype)?;
         let y = y.reshape((b, heads, seq, d))?.transpose(1, 2)?.reshape((b, seq, heads * d))?;
         Ok(a.o_proj.forward(&y)?)
+    }
+}
+
+/// RMS normalisation with a learned scale.
+struct Norm {
+    weight: Tensor,
+    /// the scale as floats, for single vectors
+    floats: Vec<f32>,
+    eps: f64,
+}
+
+impl Norm {
+    fn new(weight: Tensor, eps: f64) -> Result<Self> {
+        let floats = weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(Self { weight, floats, eps })
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32)
+    }
+
+    /// One vector: `out = x / sqrt(mean(x²) + eps) * weight`, the mean accumulated in
+    /// float64.
+    fn apply(&self, x: &[f32], out: &mut [f32]) {
+        let mean = x.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / x.len() as f64;
+        let scale = (1.0 / (mean + self.eps).sqrt()) as f32;
+        for ((o, v), w) in out.iter_mut().zip(x).zip(&self.floats) {
+            *o = v * scale * w;
+        }
     }
 }
 

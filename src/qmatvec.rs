@@ -10,7 +10,6 @@
 //! loop runs.
 
 use half::f16;
-use rayon::prelude::*;
 
 const BLOCK: usize = 32;
 
@@ -98,36 +97,65 @@ impl QMatrix {
         out
     }
 
-    /// out[r] = sum_c W[r, c] * x[c], for every row r. With AVX2 the activations are
-    /// quantized to 8 bits per 32-value block (as llama.cpp does) and the products run as
-    /// integer dot products; otherwise in float32.
-    pub fn matvec(&self, x: &[f32], out: &mut [f32]) {
-        assert_eq!(x.len(), self.cols);
-        assert_eq!(out.len(), self.rows);
-        let block_sums: Vec<f32> = x.chunks(BLOCK).map(|b| b.iter().sum()).collect();
+    /// The activations as the kernels read them: computed once per input vector and
+    /// shared by every row range (and every matrix) that multiplies it.
+    pub fn prepare(x: &[f32]) -> QInput {
+        let block_sums = x.chunks(BLOCK).map(|b| b.iter().sum()).collect();
+        let q8 = if *SIMD.get_or_init(has_avx2_fma) { Some(quantize_q8(x)) } else { None };
+        QInput { x: x.to_vec(), block_sums, q8 }
+    }
+
+    /// `out[i] = W[first + i] · x`.
+    pub fn mul_rows(&self, input: &QInput, first: usize, out: &mut [f32]) {
+        assert_eq!(input.x.len(), self.cols);
+        assert!(first + out.len() <= self.rows);
         let blocks = self.cols / BLOCK;
         let (sn, qn) = (blocks * self.kind.scales_per_block(), blocks * self.kind.qs_per_block());
-        let simd = *SIMD.get_or_init(has_avx2_fma);
-        let x8 = if simd { Some(quantize_q8(x)) } else { None };
-        const ROWS_PER_TASK: usize = 64;
-        out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(task, chunk)| {
-            for (i, o) in chunk.iter_mut().enumerate() {
-                let r = task * ROWS_PER_TASK + i;
-                let row = Row { scales: &self.scales[r * sn..(r + 1) * sn], qs: &self.qs[r * qn..(r + 1) * qn] };
-                *o = match &x8 {
-                    #[cfg(target_arch = "x86_64")]
-                    Some((xq, xd)) => unsafe {
-                        // SAFETY: AVX2 and FMA were detected at run time.
-                        match self.kind {
-                            QKind::Q4_1 => dot_q4_1_avx2(row, xq, xd, &block_sums),
-                            QKind::Q8_0 => dot_q8_0_avx2(row, xq, xd),
-                        }
-                    },
-                    _ => dot_portable(self.kind, row, x, &block_sums),
-                };
-            }
-        });
+        for (i, o) in out.iter_mut().enumerate() {
+            let r = first + i;
+            let row = Row { scales: &self.scales[r * sn..(r + 1) * sn], qs: &self.qs[r * qn..(r + 1) * qn] };
+            *o = match &input.q8 {
+                #[cfg(target_arch = "x86_64")]
+                Some((xq, xd)) => unsafe {
+                    // SAFETY: AVX2 and FMA were detected at run time (`prepare`).
+                    match self.kind {
+                        QKind::Q4_1 => dot_q4_1_avx2(row, xq, xd, &input.block_sums),
+                        QKind::Q8_0 => dot_q8_0_avx2(row, xq, xd),
+                    }
+                },
+                _ => dot_portable(self.kind, row, &input.x, &input.block_sums),
+            };
+        }
     }
+
+    /// Bytes of the kept blocks (scales and values).
+    pub fn nbytes(&self) -> usize {
+        self.scales.len() * 4 + self.qs.len()
+    }
+
+    /// The rows of several matrices of one block type stacked into one matrix (q, k and v
+    /// read by one pass over the input); None when the types or widths differ.
+    pub fn stack(parts: &[&QMatrix]) -> Option<QMatrix> {
+        let first = parts.first()?;
+        if parts.iter().any(|p| p.kind != first.kind || p.cols != first.cols) {
+            return None;
+        }
+        Some(QMatrix {
+            kind: first.kind,
+            rows: parts.iter().map(|p| p.rows).sum(),
+            cols: first.cols,
+            scales: parts.iter().flat_map(|p| p.scales.iter().copied()).collect(),
+            qs: parts.iter().flat_map(|p| p.qs.iter().copied()).collect(),
+        })
+    }
+}
+
+/// One input vector prepared for [`QMatrix::mul_rows`]: the floats, their per-block sums and,
+/// when the integer kernels run, their int8 quantization.
+pub struct QInput {
+    x: Vec<f32>,
+    block_sums: Vec<f32>,
+    q8: Option<(Vec<i8>, Vec<f32>)>,
 }
 
 /// Activations as int8 per 32-value block: values and one float scale per block.
@@ -138,10 +166,18 @@ fn quantize_q8(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
         let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         let scale = amax / 127.0;
         let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        q.extend(block.iter().map(|v| (v * inv).round() as i8));
+        q.extend(block.iter().map(|v| nearest(v * inv) as i8));
         d.push(scale);
     }
     (q, d)
+}
+
+/// Round to nearest, ties to even, for |v| <= 2^22 (activations scaled to [-127, 127]),
+/// without a call to libm's `roundf` (baseline x86-64 has no rounding instruction).
+#[inline(always)]
+fn nearest(v: f32) -> i32 {
+    let shifted = v + 12_582_912.0; // 1.5 * 2^23: the fraction bits now hold the integer
+    (shifted.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -296,7 +332,7 @@ mod tests {
             let m = random_matrix(kind, rows, cols, 7);
             let x: Vec<f32> = (0..cols).map(|i| ((i * 37 % 17) as f32 - 8.0) / 4.0).collect();
             let mut got = vec![0f32; rows];
-            m.matvec(&x, &mut got);
+            m.mul_rows(&QMatrix::prepare(&x), 0, &mut got[..]);
             let w = m.dequantize();
             // int8 activations (AVX2 path) cost about 1/254 of each block's largest value
             let tol = if has_avx2_fma() { 1e-2 } else { 1e-4 };
@@ -324,6 +360,30 @@ mod tests {
                 assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "{kind:?} row {r}: {got} vs {want}");
             }
         }
+    }
+
+    #[test]
+    fn nearest_rounds_half_to_even() {
+        for (v, want) in [(0.5, 0), (1.5, 2), (-0.5, 0), (-1.5, -2), (126.7, 127), (-127.0, -127), (0.49, 0), (-3.2, -3)] {
+            assert_eq!(nearest(v), want, "{v}");
+        }
+    }
+
+    #[test]
+    fn row_ranges_and_stacks_equal_the_whole() {
+        let a = random_matrix(QKind::Q4_1, 9, 64, 3);
+        let b = random_matrix(QKind::Q4_1, 4, 64, 4);
+        let x: Vec<f32> = (0..64).map(|i| (i as f32 - 30.0) / 7.0).collect();
+        let input = QMatrix::prepare(&x);
+        let ab = QMatrix::stack(&[&a, &b]).unwrap();
+        let mut whole = vec![0f32; 13];
+        ab.mul_rows(&input, 0, &mut whole);
+        let mut parts = vec![0f32; 13];
+        a.mul_rows(&input, 0, &mut parts[..5]);
+        a.mul_rows(&input, 5, &mut parts[5..9]);
+        b.mul_rows(&input, 0, &mut parts[9..]);
+        assert_eq!(whole, parts);
+        assert!(QMatrix::stack(&[&a, &random_matrix(QKind::Q8_0, 2, 64, 5)]).is_none());
     }
 
     #[test]

@@ -31,6 +31,22 @@ impl Rope {
         Ok((angles.cos()?.to_dtype(self.dtype)?, angles.sin()?.to_dtype(self.dtype)?))
     }
 
+    /// Rotates `heads` heads of one position `pos` in place, as [`Rope::apply`] does with
+    /// `tables(pos, 1)` (the same float32 angles).
+    pub fn rotate(&self, x: &mut [f32], pos: usize) {
+        let half = self.inv_freq.len();
+        let p = pos as f32;
+        let (cos, sin): (Vec<f32>, Vec<f32>) = self.inv_freq.iter().map(|f| { let a = p * f; (a.cos(), a.sin()) }).unzip();
+        for head in x.chunks_exact_mut(2 * half) {
+            let (x1, x2) = head.split_at_mut(half);
+            for i in 0..half {
+                let (a, b) = (x1[i], x2[i]);
+                x1[i] = a * cos[i] - b * sin[i];
+                x2[i] = b * cos[i] + a * sin[i];
+            }
+        }
+    }
+
     /// Applies the rotation given by `tables` to `x` of shape (batch, heads, seq,
     /// head_dim), in the Hugging Face "rotate half" layout.
     pub fn apply(x: &Tensor, (cos, sin): &(Tensor, Tensor)) -> Result<Tensor> {

@@ -1,0 +1,245 @@
+//! Float32 matrix-vector products for decode steps: `out[i] = W[rows.start + i] · x` for
+//! a range of rows of a row-major matrix, so that a step's threads each take ranges of
+//! one matrix ([`crate::team`]).
+//!
+//! A decode step reads every weight once, so these kernels are about streaming memory:
+//! four rows at a time (each load of `x` serves four rows), two accumulators per row
+//! (eight independent chains of fused multiply-adds), one horizontal sum per row. The
+//! instruction set is chosen at run time: AVX-512F, AVX2 + FMA, or a portable version
+//! written with eight-lane arrays that the compiler vectorizes (NEON on aarch64, SSE2 on
+//! any x86-64). Each is tested against a float64 reference.
+
+/// The kernel this CPU runs, chosen once.
+pub fn kernel() -> Kernel {
+    static K: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+    *K.get_or_init(detect)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+fn detect() -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            return Kernel::Avx512;
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            return Kernel::Avx2;
+        }
+    }
+    Kernel::Portable
+}
+
+impl Kernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Avx512 => "avx512f",
+            Kernel::Avx2 => "avx2+fma",
+            Kernel::Portable => if cfg!(target_arch = "aarch64") { "portable (neon)" } else { "portable" },
+        }
+    }
+
+    /// The kernels this CPU can run (for tests: each is checked).
+    pub fn available() -> Vec<Kernel> {
+        let mut v = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                v.push(Kernel::Avx2);
+            }
+            if std::is_x86_feature_detected!("avx512f") {
+                v.push(Kernel::Avx512);
+            }
+        }
+        v
+    }
+
+    /// `out[i] = w[(first + i) * x.len() ..][.. x.len()] · x`.
+    pub fn mul_rows(self, w: &[f32], x: &[f32], first: usize, out: &mut [f32]) {
+        let cols = x.len();
+        let w = &w[first * cols..(first + out.len()) * cols];
+        match self {
+            // SAFETY: the instruction set was detected at run time (`detect`/`available`).
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => unsafe { x86::rows_avx512(w, x, out) },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { x86::rows_avx2(w, x, out) },
+            _ => rows_portable(w, x, out),
+        }
+    }
+}
+
+// Each kernel computes rows in groups of four and the remaining rows one by one with the
+// same code (`group::<N>`), so a row's result never depends on which rows it was
+// computed with: the threads of a step may split a matrix anywhere.
+
+fn rows_portable(w: &[f32], x: &[f32], out: &mut [f32]) {
+    let mut r = 0;
+    while r + 4 <= out.len() {
+        group_portable::<4>(w, x, r, &mut out[r..r + 4]);
+        r += 4;
+    }
+    while r < out.len() {
+        group_portable::<1>(w, x, r, &mut out[r..r + 1]);
+        r += 1;
+    }
+}
+
+#[inline(always)]
+fn group_portable<const N: usize>(w: &[f32], x: &[f32], r: usize, out: &mut [f32]) {
+    let cols = x.len();
+    let body = cols / 8 * 8;
+    let mut acc = [[0f32; 8]; N];
+    for c in (0..body).step_by(8) {
+        let xc = &x[c..c + 8];
+        for (j, a) in acc.iter_mut().enumerate() {
+            let wc = &w[(r + j) * cols + c..][..8];
+            for k in 0..8 {
+                a[k] += wc[k] * xc[k];
+            }
+        }
+    }
+    for (j, a) in acc.iter().enumerate() {
+        let mut s = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+        for c in body..cols {
+            s += w[(r + j) * cols + c] * x[c];
+        }
+        out[j] = s;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn rows_avx512(w: &[f32], x: &[f32], out: &mut [f32]) {
+        let mut r = 0;
+        while r + 4 <= out.len() {
+            group_avx512::<4>(w, x, r, &mut out[r..r + 4]);
+            r += 4;
+        }
+        while r < out.len() {
+            group_avx512::<1>(w, x, r, &mut out[r..r + 1]);
+            r += 1;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn group_avx512<const N: usize>(w: &[f32], x: &[f32], r: usize, out: &mut [f32]) {
+        let cols = x.len();
+        let body = cols / 32 * 32;
+        let xp = x.as_ptr();
+        let p: [*const f32; N] = std::array::from_fn(|j| w.as_ptr().add((r + j) * cols));
+        let mut a = [_mm512_setzero_ps(); N];
+        let mut b = [_mm512_setzero_ps(); N];
+        let mut c = 0;
+        while c < body {
+            let x0 = _mm512_loadu_ps(xp.add(c));
+            let x1 = _mm512_loadu_ps(xp.add(c + 16));
+            for j in 0..N {
+                a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(p[j].add(c)), x0, a[j]);
+                b[j] = _mm512_fmadd_ps(_mm512_loadu_ps(p[j].add(c + 16)), x1, b[j]);
+            }
+            c += 32;
+        }
+        for j in 0..N {
+            let mut s = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j]));
+            for k in body..cols {
+                s += *p[j].add(k) * x[k];
+            }
+            out[j] = s;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn rows_avx2(w: &[f32], x: &[f32], out: &mut [f32]) {
+        let mut r = 0;
+        while r + 4 <= out.len() {
+            group_avx2::<4>(w, x, r, &mut out[r..r + 4]);
+            r += 4;
+        }
+        while r < out.len() {
+            group_avx2::<1>(w, x, r, &mut out[r..r + 1]);
+            r += 1;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn group_avx2<const N: usize>(w: &[f32], x: &[f32], r: usize, out: &mut [f32]) {
+        let cols = x.len();
+        let body = cols / 16 * 16;
+        let xp = x.as_ptr();
+        let p: [*const f32; N] = std::array::from_fn(|j| w.as_ptr().add((r + j) * cols));
+        let mut a = [_mm256_setzero_ps(); N];
+        let mut b = [_mm256_setzero_ps(); N];
+        let mut c = 0;
+        while c < body {
+            let x0 = _mm256_loadu_ps(xp.add(c));
+            let x1 = _mm256_loadu_ps(xp.add(c + 8));
+            for j in 0..N {
+                a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(p[j].add(c)), x0, a[j]);
+                b[j] = _mm256_fmadd_ps(_mm256_loadu_ps(p[j].add(c + 8)), x1, b[j]);
+            }
+            c += 16;
+        }
+        for j in 0..N {
+            let mut s = hsum256(_mm256_add_ps(a[j], b[j]));
+            for k in body..cols {
+                s += *p[j].add(k) * x[k];
+            }
+            out[j] = s;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_matches_float64() {
+        let mut s = 12345u64;
+        let mut rnd = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        // column counts with and without a tail; row counts with and without a remainder of 4
+        for (rows, cols) in [(13, 576), (8, 1536), (7, 37), (5, 3), (1, 64)] {
+            let w: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
+            let x: Vec<f32> = (0..cols).map(|_| rnd()).collect();
+            for k in Kernel::available() {
+                let mut whole = vec![0f32; rows];
+                k.mul_rows(&w, &x, 0, &mut whole);
+                for first in [0, 1] {
+                    let n = rows - first;
+                    let mut out = vec![0f32; n];
+                    k.mul_rows(&w, &x, first, &mut out);
+                    // a row's result does not depend on the rows computed with it
+                    assert_eq!(out, whole[first..], "{k:?} {rows}x{cols} from row {first}");
+                    for (i, got) in out.iter().enumerate() {
+                        let r = first + i;
+                        let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum();
+                        let mag: f64 = (0..cols).map(|c| (w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
+                        // float32 accumulation: a few ulps of the sum of magnitudes
+                        assert!((*got as f64 - want).abs() <= 4.0 * f32::EPSILON as f64 * mag.max(1e-30) * (cols as f64).sqrt(),
+                            "{k:?} {rows}x{cols} row {r}: {got} vs {want}");
+                    }
+                }
+            }
+        }
+    }
+}
