@@ -118,7 +118,14 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Self::Float(l) => l.forward(x),
+            Self::Float(l) => match (x.dtype(), self.view()) {
+                (DType::F32, Some(View::Float { guard, start, rows, cols })) => {
+                    let Storage::Cpu(s) = &*guard else { unreachable!("checked in Linear::view") };
+                    let w = &s.as_slice::<f32>()?[start..start + rows * cols];
+                    tiled_forward(x, rows, cols, Tiles::Float(w))
+                }
+                _ => l.forward(x),
+            },
             Self::Quantized(q) => quantized_forward(q, x),
             Self::Stack(parts) => {
                 let outs = parts.iter().map(|p| p.forward(x)).collect::<Result<Vec<_>>>()?;
@@ -172,35 +179,90 @@ impl View<'_> {
     }
 }
 
-/// Products of a few rows run one matrix-vector product per row; more rows dequantize
-/// the matrix and use the float path.
-const QUANTIZED_MAX_ROWS: usize = 8;
+/// Input rows up to which a quantized product runs integer matrix-vector products (the
+/// activations quantized to int8, as in a decode step).
+const QUANTIZED_MATVEC_MAX_ROWS: usize = 8;
+
+/// Weight rows per task in a product of many input rows (prefill): a tile of the matrix
+/// that stays in the core's cache while every input row is multiplied with it (gemm's
+/// kernels, one thread each), so each weight is read from memory once per call. A
+/// quantized tile is dequantized into a buffer first: the whole matrix never is.
+const TILE_ROWS: usize = 64;
+
+/// Where the tiles of a weight matrix come from.
+enum Tiles<'a> {
+    /// float32, row-major
+    Float(&'a [f32]),
+    Quantized(&'a QMatrix),
+}
+
+/// `x W^T` for x (..., cols) float32 and W (n, cols).
+fn tiled_forward(x: &Tensor, n: usize, cols: usize, tiles: Tiles<'_>) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    if dims.last() != Some(&cols) {
+        candle_core::bail!("linear: input has shape {dims:?}, the matrix {cols} columns");
+    }
+    let mut out_dims = dims.clone();
+    *out_dims.last_mut().expect("rank >= 1") = n;
+    let x = x.contiguous()?;
+    let (guard, layout) = x.storage_and_layout();
+    let Storage::Cpu(s) = &*guard else { candle_core::bail!("tiled product needs CPU memory") };
+    let input = &s.as_slice::<f32>()?[layout.start_offset()..layout.start_offset() + x.elem_count()];
+    let m = input.len() / cols.max(1);
+    let mut out = vec![0f32; m * n];
+    let shards = Shards::new(&mut out);
+    Team::global().run(n.div_ceil(TILE_ROWS), &|t| {
+        let rows = t * TILE_ROWS..((t + 1) * TILE_ROWS).min(n);
+        let mut buffer = Vec::new();
+        let w = match tiles {
+            Tiles::Float(w) => &w[rows.start * cols..rows.end * cols],
+            Tiles::Quantized(q) => {
+                buffer.reserve_exact(rows.len() * cols);
+                q.dequantize_rows(rows.start, rows.len(), &mut buffer);
+                &buffer[..]
+            }
+        };
+        // SAFETY: the task writes columns rows.start..rows.end of the (m, n) output,
+        // other tasks other columns; dst is (m, rows.len()) with row stride n, input
+        // (m, cols) row-major, the tile (rows.len(), cols) row-major read as its
+        // transpose; all in bounds.
+        unsafe {
+            gemm::gemm(
+                m, rows.len(), cols,
+                shards.as_mut_ptr().add(rows.start), 1, n as isize, false,
+                input.as_ptr(), 1, cols as isize,
+                w.as_ptr(), cols as isize, 1,
+                0.0, 1.0, false, false, false,
+                gemm::Parallelism::None,
+            );
+        }
+    });
+    drop(guard);
+    Tensor::from_vec(out, out_dims, x.device())
+}
 
 fn quantized_forward(q: &QMatrix, x: &Tensor) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
-    let cols = *dims.last().unwrap_or(&0);
+    let cols = *x.dims().last().unwrap_or(&0);
     if cols != q.cols() {
         candle_core::bail!("quantized linear: input has {cols} features, the matrix {}", q.cols());
     }
-    let rows = x.elem_count() / cols.max(1);
-    let mut out_dims = dims.clone();
-    *out_dims.last_mut().expect("rank >= 1") = q.rows();
-    if rows > QUANTIZED_MAX_ROWS {
-        let w = Tensor::from_vec(q.dequantize(), (q.rows(), q.cols()), x.device())?;
-        return x.reshape((rows, cols))?.matmul(&w.t()?)?.reshape(out_dims);
+    let n = q.rows();
+    let m = x.elem_count() / cols.max(1);
+    if m > QUANTIZED_MATVEC_MAX_ROWS {
+        return tiled_forward(&x.to_dtype(DType::F32)?, n, cols, Tiles::Quantized(q));
     }
-    let input = x.flatten_all()?.to_vec1::<f32>()?;
-    let mut out = vec![0f32; rows * q.rows()];
-    const ROWS_PER_TASK: usize = 64;
-    let tasks = q.rows().div_ceil(ROWS_PER_TASK);
-    for (xr, or) in input.chunks(cols).zip(out.chunks_mut(q.rows())) {
-        let prepared = QMatrix::prepare(xr);
-        let shards = Shards::new(or);
-        Team::global().run(tasks, &|t| {
-            let rows = t * ROWS_PER_TASK..((t + 1) * ROWS_PER_TASK).min(q.rows());
-            // SAFETY: tasks cover disjoint row ranges
-            q.mul_rows(&prepared, rows.start, unsafe { shards.part(rows) });
-        });
-    }
+    let mut out_dims = x.dims().to_vec();
+    *out_dims.last_mut().expect("rank >= 1") = n;
+    let input = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let prepared: Vec<QInput> = input.chunks(cols.max(1)).map(QMatrix::prepare).collect();
+    let mut out = vec![0f32; m * n];
+    let shards = Shards::new(&mut out);
+    Team::global().run(n.div_ceil(TILE_ROWS), &|t| {
+        let rows = t * TILE_ROWS..((t + 1) * TILE_ROWS).min(n);
+        for (i, p) in prepared.iter().enumerate() {
+            // SAFETY: tasks cover disjoint row ranges of each output row
+            q.mul_rows(p, rows.start, unsafe { shards.part(i * n + rows.start..i * n + rows.end) });
+        }
+    });
     Tensor::from_vec(out, out_dims, x.device())
 }

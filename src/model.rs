@@ -16,7 +16,7 @@ use crate::rope::Rope;
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Longest run of tokens one pass handles; longer inputs are split (see `Llama::forward`).
-pub const PREFILL_CHUNK: usize = 512;
+pub const PREFILL_CHUNK: usize = 256;
 
 /// A fresh identity for a loaded model; caches remember the model that made them.
 pub(crate) fn next_model_id() -> u64 {

@@ -83,8 +83,17 @@ impl QMatrix {
     /// The matrix as float32, row-major.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.rows * self.cols);
+        self.dequantize_rows(0, self.rows, &mut out);
+        out
+    }
+
+    /// Appends rows `first..first + n` as float32 to `out`.
+    pub fn dequantize_rows(&self, first: usize, n: usize, out: &mut Vec<f32>) {
         let per = self.kind.qs_per_block();
-        for (b, qs) in self.qs.chunks_exact(per).enumerate() {
+        let blocks = self.cols / BLOCK;
+        let qs = &self.qs[first * blocks * per..(first + n) * blocks * per];
+        for (i, qs) in qs.chunks_exact(per).enumerate() {
+            let b = first * blocks + i;
             match self.kind {
                 QKind::Q4_1 => {
                     let (d, m) = (self.scales[2 * b], self.scales[2 * b + 1]);
@@ -94,7 +103,6 @@ impl QMatrix {
                 QKind::Q8_0 => out.extend(qs.iter().map(|q| self.scales[b] * (*q as i8) as f32)),
             }
         }
-        out
     }
 
     /// The activations as the kernels read them: computed once per input vector and

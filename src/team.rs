@@ -229,6 +229,12 @@ impl<'a, T> Shards<'a, T> {
         Self { ptr: data.as_mut_ptr(), len: data.len(), _life: std::marker::PhantomData }
     }
 
+    /// The start of the data, for tasks writing strided blocks (a raw pointer: no two
+    /// tasks hold overlapping slices).
+    pub fn as_mut_ptr(&self) -> *mut T {
+        self.ptr
+    }
+
     /// `data[range]`.
     ///
     /// # Safety
