@@ -1,104 +1,411 @@
-"""Side-by-side speed of kvcandle, transformers and (when llama-cpp-python is installed)
-llama.cpp on the default model, same machine, same run: prefill tok/s for a long prompt
-and greedy decode tok/s with a KV cache.
+"""Side-by-side speed of kvcandle and the engines a user would compare it with, on the
+default model, on this machine, in one run.
 
-    python bench/bench_generate.py [--decode 64] [--prompt-tokens 256] [--repeat 3]
+    python bench/bench_generate.py [--threads N] [--rounds 5] [--quick] [--plot decode.png]
 
-kvcandle f32 and transformers run the GGUF dequantized to float32; kvcandle with
-quantized=True and llama.cpp run the file's Q4_1 blocks with int8 activations, the same
-model at a lower precision. Prints each engine's best-of-N figures and kvcandle's ratios.
+Engines (each skipped, with the reason printed, when its package is missing):
+  kvcandle f32            the GGUF dequantized to float32, kvcandle's own engine
+  kvcandle Q4_1           kvcandle.load(quantized=True): the file's blocks, int8 activations
+  candle upstream         candle-transformers' Llama + Cache as shipped (float32)
+  transformers            eager float32 (torch), a plain loop over past_key_values
+  llama.cpp f32 / Q4_1    llama-cpp-python; the f32 GGUF is written by this script from the
+                          Q4_1 file with llama.cpp's own quantizer (type ALL_F32)
+
+Engines take turns (A B C A B C ...) inside every measurement and the figures are
+medians over the rounds. Printed with them: the CPU's SIMD features, the thread count
+every engine uses, and the memory read rate measured in the same run (before and after),
+from which the float32 decode ceiling (bytes of weights per token / read rate) follows.
+
+Figures: load time; prefill of 512 and 2,048 tokens; time to first token for a 512-token
+prompt; greedy decode at 5, 512, 2,048 and 4,096 tokens of context; the lecture's
+experiment (64 and 256 new tokens with and without the cache; ``--quick`` skips it and
+the 4,096 context). ``--plot`` writes decode step time against context (matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import statistics
+import sys
+import tempfile
+import threading
 import time
-
-import numpy as np
-
-import kvcandle
-from kvcandle import parity
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
+    ap.add_argument("--quick", action="store_true", help="skip the 4,096 context and the no-cache experiment")
+    ap.add_argument("--plot", default=None, help="write a PNG of decode step time against context")
+    ap.add_argument("--engines", nargs="*", default=None, help="only these engines (names as printed)")
+    return ap.parse_args()
+
+
+ARGS = parse()
+# every engine gets the same thread count; kvcandle reads it when first used
+os.environ["RAYON_NUM_THREADS"] = str(ARGS.threads)
+
+import numpy as np  # noqa: E402
+
+import kvcandle  # noqa: E402
+from kvcandle._platform import cpu_description  # noqa: E402
+
+
+def memory_read_rate(threads: int, mb: int = 512) -> float:
+    """GB/s reading a float32 array far larger than the caches, split over `threads`
+    threads (numpy releases the GIL in its reductions); best of 5."""
+    a = np.ones(mb * 1024 * 1024 // 4, dtype=np.float32)
+    parts = np.array_split(a, threads)
+    best = 0.0
+    for _ in range(5):
+        ts = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+        for x in ts:
+            x.start()
+        for x in ts:
+            x.join()
+        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+class Engine:
+    """One engine's cache-holding session. `start(ids)` resets and runs a prompt;
+    `step(token)` runs one token and returns the greedy next token; `mark()` remembers the
+    current length and `rewind()` returns to it; `uncached_step(ids)` runs the whole
+    sequence without a cache and returns the greedy next token."""
+
+    name = ""
+    max_context = 8192
+
+    def start(self, ids: list[int]) -> int:
+        raise NotImplementedError
+
+    def step(self, token: int) -> int:
+        raise NotImplementedError
+
+    def mark(self) -> None:
+        raise NotImplementedError
+
+    def rewind(self) -> None:
+        raise NotImplementedError
+
+    def uncached_step(self, ids: list[int]) -> int:
+        raise NotImplementedError
+
+
+class Kvcandle(Engine):
+    def __init__(self, quantized: bool) -> None:
+        self.name = "kvcandle Q4_1" if quantized else "kvcandle f32"
+        self.model = kvcandle.load(quantized=quantized)
+        self.cache = self.model.new_cache()
+        self.length = 0
+
+    def start(self, ids: list[int]) -> int:
+        self.cache.reset()
+        return int(self.model.forward(ids, self.cache).argmax())
+
+    def step(self, token: int) -> int:
+        return int(self.model.forward([token], self.cache).argmax())
+
+    def mark(self) -> None:
+        self.length = len(self.cache)
+
+    def rewind(self) -> None:
+        self.cache.crop(self.length)
+
+    def uncached_step(self, ids: list[int]) -> int:
+        return int(self.model.forward(ids, self.model.new_cache()).argmax())
+
+
+class Upstream(Engine):
+    name = "candle upstream"
+
+    def __init__(self) -> None:
+        self.model = kvcandle.load().upstream()
+        self.cache = self.model.new_cache()
+        self.pos = 0
+        self.saved: Any = None
+
+    def start(self, ids: list[int]) -> int:
+        self.cache, self.pos = self.model.new_cache(), 0
+        return self.step_many(ids)
+
+    def step_many(self, ids: list[int]) -> int:
+        logits = self.model.forward(ids, self.pos, self.cache)
+        self.pos += len(ids)
+        return int(np.asarray(logits).reshape(-1, logits.shape[-1])[-1].argmax())
+
+    def step(self, token: int) -> int:
+        return self.step_many([token])
+
+    def mark(self) -> None:
+        self.saved = (self.cache.clone(), self.pos)
+
+    def rewind(self) -> None:
+        cache, self.pos = self.saved
+        self.cache = cache.clone()
+
+    def uncached_step(self, ids: list[int]) -> int:
+        logits = self.model.forward(ids, 0, self.model.new_cache(use_kv_cache=False))
+        return int(np.asarray(logits).reshape(-1, logits.shape[-1])[-1].argmax())
+
+
+class Transformers(Engine):
+    name = "transformers"
+
+    def __init__(self, threads: int) -> None:
+        from kvcandle import parity
+
+        self.tf = parity.Transformers()
+        self.torch = self.tf.torch
+        self.torch.set_num_threads(threads)
+        self.model = self.tf.model
+        self.past: Any = None
+        self.length = 0
+
+    def _run(self, ids: list[int], past: Any, use_cache: bool = True) -> int:
+        with self.torch.inference_mode():
+            out = self.model(input_ids=self.torch.tensor([ids]), past_key_values=past, use_cache=use_cache)
+        self.past = out.past_key_values if use_cache else None
+        return int(out.logits[0, -1].argmax())
+
+    def start(self, ids: list[int]) -> int:
+        return self._run(ids, self.tf.new_cache())
+
+    def step(self, token: int) -> int:
+        return self._run([token], self.past)
+
+    def mark(self) -> None:
+        self.length = self.past.get_seq_length()
+
+    def rewind(self) -> None:
+        self.past.crop(self.length)
+
+    def uncached_step(self, ids: list[int]) -> int:
+        return self._run(ids, None, use_cache=False)
+
+
+class LlamaCpp(Engine):
+    def __init__(self, path: Path, label: str, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.name = f"llama.cpp {label}"
+        self.max_context = 4200
+        self.llm = Llama(model_path=str(path), n_ctx=self.max_context, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, logits_all=False, verbose=False)
+        self.length = 0
+
+    def _eval(self, ids: list[int]) -> int:
+        self.llm.eval(ids)
+        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+
+    def start(self, ids: list[int]) -> int:
+        self.llm.reset()
+        return self._eval(ids)
+
+    def step(self, token: int) -> int:
+        return self._eval([token])
+
+    def mark(self) -> None:
+        self.length = self.llm.n_tokens
+
+    def rewind(self) -> None:
+        self.llm.n_tokens = self.length  # eval() drops the KV cells past n_tokens
+
+    def uncached_step(self, ids: list[int]) -> int:
+        self.llm.reset()
+        return self._eval(ids)
+
+
+def write_f32_gguf(src: Path, threads: int) -> Optional[Path]:
+    """The default model as an all-float32 GGUF, written once by llama.cpp's quantizer."""
+    import llama_cpp
+
+    dst = Path(tempfile.gettempdir()) / f"kvcandle-bench-{src.stem}.f32.gguf"
+    if not dst.exists():
+        p = llama_cpp.llama_model_quantize_default_params()
+        p.ftype = 0  # LLAMA_FTYPE_ALL_F32
+        p.allow_requantize = True
+        p.nthread = threads
+        tmp = dst.with_suffix(".partial")
+        if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), p) != 0:
+            return None
+        os.replace(tmp, dst)
+    return dst
+
+
+def timed(name: str, make: Callable[[], Engine]) -> tuple[Optional[Engine], float]:
+    t = time.perf_counter()
+    try:
+        e = make()
+    except ImportError as exc:
+        print(f"{name}: skipped ({exc})")
+        return None, 0.0
+    return e, time.perf_counter() - t
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=256)
-    ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+    args = ARGS
+    threads = args.threads
+    print(f"cpu: {cpu_description()}")
+    print(f"threads: {threads} for every engine ({os.cpu_count()} CPUs); kvcandle {kvcandle.__version__}")
+    rate_before = memory_read_rate(threads)
+    print(f"memory read rate: {rate_before:.1f} GB/s ({threads} threads)")
 
-    kv = kvcandle.load()
-    kq = kvcandle.load(quantized=True)
-    tf = parity.Transformers()
-    torch = tf.torch
-    print(f"machine: {os.cpu_count()} cores; torch threads {torch.get_num_threads()}; kvcandle {kvcandle.__version__} ({kv.dtype}, {kv.device})")
-    rng = np.random.default_rng(0)
-    long_prompt = rng.integers(100, 40000, args.prompt_tokens).tolist()
-    short = kv.tokenizer.encode(parity.PROMPT)
-
-    def kvcandle_timings(model) -> tuple[float, float]:
-        prefill = best(lambda: model.forward(long_prompt, model.new_cache()), args.repeat)
-        short_prefill = best(lambda: model.forward(short, model.new_cache()), args.repeat)
-        greedy = best(lambda: parity.kv_greedy(model, short, args.decode), args.repeat)
-        return prefill, (greedy - short_prefill) / (args.decode - 1)
-
-    engines = {"kvcandle f32": kvcandle_timings(kv), "kvcandle Q4_1 (quantized=True)": kvcandle_timings(kq)}
-    tf_prefill = best(lambda: tf.logits(long_prompt, tf.new_cache()), args.repeat)
-    tf_short = best(lambda: tf.logits(short, tf.new_cache()), args.repeat)
-    tf_greedy = best(lambda: tf.greedy(short, args.decode), args.repeat)
-    engines["transformers f32"] = (tf_prefill, (tf_greedy - tf_short) / (args.decode - 1))
-    llama = llama_cpp_timings(long_prompt, short, args)
-    if llama is not None:
-        engines["llama.cpp Q4_1"] = llama
-
-    measures = [f"prefill {args.prompt_tokens} tokens (tok/s)", f"greedy decode, {args.decode} tokens (tok/s)"]
-    speed = {name: (args.prompt_tokens / t[0], 1 / t[1]) for name, t in engines.items()}
-    print("| engine | " + " | ".join(measures) + " |")
-    print("|---|" + "---|" * len(measures))
-    for name, (p, d) in speed.items():
-        print(f"| {name} | {p:.1f} | {d:.1f} |")
-    print()
-    for ours in ("kvcandle f32", "kvcandle Q4_1 (quantized=True)"):
-        for other in [n for n in speed if not n.startswith("kvcandle")]:
-            p, d = (speed[ours][i] / speed[other][i] for i in range(2))
-            print(f"{ours} / {other}: prefill {p:.2f}x, decode {d:.2f}x")
-
-
-def llama_cpp_timings(long_prompt: list[int], short: list[int], args: argparse.Namespace):
-    """(prefill seconds, seconds per decode token) for llama.cpp, or None if absent."""
+    src = kvcandle.default_model_path()
+    makers: list[tuple[str, Callable[[], Engine]]] = [
+        ("kvcandle f32", lambda: Kvcandle(False)),
+        ("kvcandle Q4_1", lambda: Kvcandle(True)),
+        ("candle upstream", Upstream),
+        ("transformers", lambda: Transformers(threads)),
+    ]
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
+
+        f32 = write_f32_gguf(src, threads)
+        if f32 is not None:
+            makers.append(("llama.cpp f32", lambda: LlamaCpp(f32, "f32", threads)))
+        makers.append(("llama.cpp Q4_1", lambda: LlamaCpp(src, "Q4_1", threads)))
     except ImportError:
-        print("llama.cpp: llama-cpp-python is not installed; skipped")
-        return None
-    llm = Llama(model_path=str(kvcandle.default_model_path()), n_ctx=2048, n_threads=os.cpu_count(), n_batch=512, verbose=False)
+        print("llama.cpp: skipped (pip install llama-cpp-python to compare)")
+    engines: list[Engine] = []
+    load: dict[str, float] = {}
+    for name, make in makers:
+        if args.engines and name not in args.engines:
+            continue
+        e, seconds = timed(name, make)
+        if e is not None:
+            engines.append(e)
+            load[e.name] = seconds
+    names = [e.name for e in engines]
+    rng = np.random.default_rng(0)
+    ids_for = {n: rng.integers(100, 40000, n).tolist() for n in (512, 2048, 4096)}
+    reference = kvcandle.load()  # for the tokenizer and the parameter count
+    ids_for[5] = reference.tokenizer.encode("The capital of France is")[:5]
 
-    def prefill() -> None:
-        llm.reset()
-        llm.eval(long_prompt)
+    # prefill and time to first token: engines in turns
+    prefill: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for n in (512, 2048):
+            for e in engines:
+                gc.collect()
+                t = time.perf_counter()
+                e.start(ids_for[n])
+                prefill.setdefault((e.name, n), []).append(time.perf_counter() - t)
 
-    def decode() -> None:
-        llm.reset()
-        llm.eval(short)
-        for _ in range(args.decode - 1):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    # decode at each context: every engine prefilled to it (untimed), then rounds of
+    # `steps` tokens per engine in turn, each rewound to the context afterwards
+    contexts = [5, 512, 2048] + ([] if args.quick else [4096])
+    decode: dict[tuple[str, int], list[float]] = {}
+    for n in contexts:
+        live = [e for e in engines if n + args.steps <= e.max_context]
+        first = {}
+        for e in live:
+            first[e.name] = e.start(ids_for[n])  # untimed
+            e.mark()
+        for _ in range(args.rounds):
+            for e in live:
+                token = first[e.name]
+                t = time.perf_counter()
+                for _ in range(args.steps):
+                    token = e.step(token)
+                decode.setdefault((e.name, n), []).append((time.perf_counter() - t) / args.steps)
+                e.rewind()
 
-    def short_prefill() -> None:
-        llm.reset()
-        llm.eval(short)
+    rate_after = memory_read_rate(threads)
+    rate = statistics.median([rate_before, rate_after])
+    f32_bytes = reference.num_parameters * 4
 
-    return best(prefill, args.repeat), (best(decode, args.repeat) - best(short_prefill, args.repeat)) / (args.decode - 1)
+    print(f"\nmemory read rate after: {rate_after:.1f} GB/s; float32 decode ceiling {rate * 1e9 / f32_bytes:.1f} tok/s "
+          f"({f32_bytes / 1e6:.0f} MB of weights per token)\n")
+    head = ["engine", "load s", "prefill 512 tok/s", "prefill 2048 tok/s", "TTFT 512 ms"] + [f"decode @{n} tok/s" for n in contexts]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    table: dict[str, list[float]] = {}
+    for name in names:
+        row = [load[name], 512 / med(prefill[(name, 512)]), 2048 / med(prefill[(name, 2048)]), 1000 * med(prefill[(name, 512)])]
+        row += [1 / med(decode[(name, n)]) if (name, n) in decode else float("nan") for n in contexts]
+        table[name] = row
+        print(f"| {name} | " + " | ".join(f"{v:.2f}" if i == 0 else f"{v:.1f}" for i, v in enumerate(row)) + " |")
+
+    print(f"\nmedians of {args.rounds} rounds, engines in turns, {args.steps} decode steps per round")
+    for ours in ("kvcandle f32", "kvcandle Q4_1"):
+        if ours not in table:
+            continue
+        print(f"\n{ours}:")
+        d5 = table[ours][5]
+        print("  decode vs its own 5-token context: " + ", ".join(f"@{n} {table[ours][5 + i] / d5:.2f}" for i, n in enumerate(contexts)))
+        if ours == "kvcandle f32":
+            print(f"  decode @5 is {d5 * f32_bytes / (rate * 1e9):.0%} of the memory-read ceiling")
+        for other in names:
+            if other.startswith("kvcandle"):
+                continue
+            r = [table[ours][i] / table[other][i] for i in (1, 2, 5)]
+            print(f"  vs {other}: prefill 512 {r[0]:.2f}x, prefill 2048 {r[1]:.2f}x, decode @5 {r[2]:.2f}x")
+
+    if not args.quick:
+        lecture(engines, ids_for[5], args)
+    if args.plot:
+        plot(args.plot, names, contexts, decode, threads)
+
+
+def lecture(engines: list[Engine], prompt: list[int], args: argparse.Namespace) -> None:
+    """The lecture's experiment: greedy generation of 64 and 256 tokens with the cache
+    and without it (every step runs the whole sequence again). One round each (the
+    uncached runs are long); both orders of engines are not needed for a 1.3x-100x gap."""
+    print("\nlecture experiment (seconds; one run each):")
+    print("| engine | 64 with cache | 64 without | 256 with cache | 256 without |")
+    print("|---|---|---|---|---|")
+    for e in engines:
+        row = []
+        for n in (64, 256):
+            t = time.perf_counter()
+            token = e.start(prompt)
+            for _ in range(n - 1):
+                token = e.step(token)
+            row.append(time.perf_counter() - t)
+            seq = list(prompt)
+            t = time.perf_counter()
+            for _ in range(n):
+                seq.append(e.uncached_step(seq))
+            row.append(time.perf_counter() - t)
+        print(f"| {e.name} | " + " | ".join(f"{v:.2f}" for v in row) + " |")
+
+
+def plot(path: str, names: list[str], contexts: list[int], decode: dict[tuple[str, int], list[float]], threads: int) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot: skipped (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        xs = [n for n in contexts if (name, n) in decode]
+        ax.plot(xs, [1000 * med(decode[(name, n)]) for n in xs], marker="o", label=name)
+    ax.set_xlabel("tokens of context")
+    ax.set_ylabel("decode step (ms, median)")
+    ax.set_title(f"Decode step time against context ({threads} threads)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".partial.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+    print(f"plot written to {path}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
