@@ -99,10 +99,11 @@ fn chunk(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Range<usize
 /// dimensions of accumulators in registers while the chunk's values stream through.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by query head and block
 unsafe fn chunk_avx512(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
     use std::arch::x86_64::*;
     let d = kv.head_dim;
-    if d % 64 != 0 {
+    if !d.is_multiple_of(64) {
         return chunk_portable(q, kv, h, positions);
     }
     let n_rep = q.len() / d;

@@ -150,8 +150,8 @@ mod x86 {
         }
         for j in 0..N {
             let mut s = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j]));
-            for k in body..cols {
-                s += *p[j].add(k) * x[k];
+            for (k, xk) in x.iter().enumerate().skip(body) {
+                s += *p[j].add(k) * xk;
             }
             out[j] = s;
         }
@@ -198,8 +198,8 @@ mod x86 {
         }
         for j in 0..N {
             let mut s = hsum256(_mm256_add_ps(a[j], b[j]));
-            for k in body..cols {
-                s += *p[j].add(k) * x[k];
+            for (k, xk) in x.iter().enumerate().skip(body) {
+                s += *p[j].add(k) * xk;
             }
             out[j] = s;
         }

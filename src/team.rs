@@ -183,7 +183,7 @@ fn worker(s: &Shared) {
                 return;
             }
             spins = spins.wrapping_add(1);
-            if spins % 1024 != 0 {
+            if !spins.is_multiple_of(1024) {
                 std::hint::spin_loop();
                 continue;
             }
