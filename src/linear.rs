@@ -266,3 +266,73 @@ fn quantized_forward(q: &QMatrix, x: &Tensor) -> Result<Tensor> {
     });
     Tensor::from_vec(out, out_dims, x.device())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q4_1(rows: usize, cols: usize, seed: u64) -> QMatrix {
+        let mut s = seed;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        let mut data = Vec::new();
+        for _ in 0..rows * cols / 32 {
+            data.extend(half::f16::from_f32((next() % 1000) as f32 / 50_000.0).to_bits().to_le_bytes());
+            data.extend(half::f16::from_f32(-((next() % 1000) as f32) / 10_000.0).to_bits().to_le_bytes());
+            data.extend((0..16).map(|_| next() as u8));
+        }
+        QMatrix::new(QKind::Q4_1, rows, cols, &data).unwrap()
+    }
+
+    /// A stack of a float and a quantized matrix (what a mixed-type GGUF gives): any row
+    /// range of the decode view equals the same rows of the prefill product and of each
+    /// part alone.
+    #[test]
+    fn mixed_stack_rows_match_its_parts() {
+        let cols = 64;
+        let w: Vec<f32> = (0..5 * cols).map(|i| ((i * 7 % 13) as f32 - 6.0) / 10.0).collect();
+        let float = Linear::new(Tensor::from_vec(w, (5, cols), &Device::Cpu).unwrap());
+        let quant = Linear::Quantized(q4_1(7, cols, 9));
+        let stack = Linear::stack(vec![float, quant]).unwrap();
+        assert!(matches!(stack, Linear::Stack(_)));
+        assert_eq!(stack.out_features(), 12);
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 - 30.0) / 17.0).collect();
+        let input = stack.prepare(&x);
+        let view = stack.view().unwrap();
+        let mut whole = vec![0f32; 12];
+        view.mul_rows(&input, 0, &mut whole);
+        for (first, n) in [(0, 5), (3, 4), (5, 7), (4, 2), (11, 1)] {
+            let mut part = vec![0f32; n];
+            view.mul_rows(&input, first, &mut part);
+            assert_eq!(part, whole[first..first + n], "rows {first}..{}", first + n);
+        }
+        // the prefill product (one row here: the same kernels' answers up to rounding)
+        let xt = Tensor::from_vec(x.clone(), (1, cols), &Device::Cpu).unwrap();
+        let y = stack.forward(&xt).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (a, b) in y.iter().zip(&whole) {
+            assert!((a - b).abs() <= 2e-2 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+    }
+
+    /// A product of many rows (prefill) from quantized blocks, tiled: equals the
+    /// dequantized matrix's product in float64, across tile boundaries.
+    #[test]
+    fn tiled_quantized_product_matches_float64() {
+        let (n, cols, m) = (3 * TILE_ROWS + 5, 64, QUANTIZED_MATVEC_MAX_ROWS + 3);
+        let q = q4_1(n, cols, 4);
+        let w = q.dequantize();
+        let x: Vec<f32> = (0..m * cols).map(|i| ((i * 31 % 23) as f32 - 11.0) / 9.0).collect();
+        let layer = Linear::Quantized(q);
+        let y = layer.forward(&Tensor::from_vec(x.clone(), (1, m, cols), &Device::Cpu).unwrap()).unwrap();
+        assert_eq!(y.dims(), &[1, m, n]);
+        let y = y.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for i in 0..m {
+            for r in 0..n {
+                let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[i * cols + c] as f64).sum();
+                assert!((y[i * n + r] as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {i} col {r}");
+            }
+        }
+    }
+}
