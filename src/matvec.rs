@@ -46,6 +46,7 @@ impl Kernel {
 
     /// The kernels this CPU can run (for tests: each is checked).
     pub fn available() -> Vec<Kernel> {
+        #[allow(unused_mut)] // only x86-64 adds kernels
         let mut v = vec![Kernel::Portable];
         #[cfg(target_arch = "x86_64")]
         {
