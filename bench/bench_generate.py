@@ -11,6 +11,11 @@ Engines (each skipped, with the reason printed, when its package is missing):
   llama.cpp f32 / Q4_1    llama-cpp-python; the f32 GGUF is written by this script from the
                           Q4_1 file with llama.cpp's own quantizer (type ALL_F32)
 
+llama-cpp-python compiles llama.cpp when installed (about 5 minutes). On a CPU with AMX its
+native build crashed decoding Q4_1 here; build it for AVX-512 without AMX instead:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF
+    -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python
+
 Engines take turns (A B C A B C ...) inside every measurement and the figures are
 medians over the rounds. Printed with them: the CPU's SIMD features, the thread count
 every engine uses, and the memory read rate measured in the same run (before and after),
