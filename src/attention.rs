@@ -14,6 +14,7 @@
 
 use std::sync::OnceLock;
 
+use crate::matvec::{kernel, Kernel};
 use crate::team::Team;
 
 /// Positions per task: enough work to be worth a hand-off, few enough to spread a
@@ -82,14 +83,14 @@ fn attend_with(q: &[f32], kv: &LayerKv<'_>, chunk: ChunkFn) -> Vec<f32> {
 
 /// One (KV head, chunk of positions) task, on the best instruction set the CPU has.
 fn chunk(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
-    match simd() {
+    match kernel() {
         // SAFETY: the CPU has AVX-512F (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 => unsafe { chunk_avx512(q, kv, h, positions) },
+        Kernel::Avx512 => unsafe { chunk_avx512(q, kv, h, positions) },
         // SAFETY: the CPU has AVX2 and FMA (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { chunk_avx2(q, kv, h, positions) },
-        Simd::Portable => chunk_portable(q, kv, h, positions),
+        Kernel::Avx2 => unsafe { chunk_avx2(q, kv, h, positions) },
+        _ => chunk_portable(q, kv, h, positions),
     }
 }
 
@@ -135,16 +136,7 @@ unsafe fn chunk_avx512(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::op
             scores[r * n + i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
         }
     }
-    let mut parts: Vec<Partial> = (0..n_rep)
-        .map(|r| {
-            let s = &mut scores[r * n..][..n];
-            let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            for x in s.iter_mut() {
-                *x = exp_nonpositive(*x - max);
-            }
-            Partial { max, sum: sum8(s), acc: vec![0.0f32; d] }
-        })
-        .collect();
+    let mut parts = exponentiate(&mut scores, n, d);
     for r0 in (0..n_rep).step_by(4) {
         // a group of up to 4 query heads; a short group repeats its last head (not stored)
         let rows: [usize; 4] = std::array::from_fn(|j| (r0 + j).min(n_rep - 1));
@@ -195,16 +187,7 @@ fn chunk_portable(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Ra
             scores[r * n + i] = dot(&q[r * d..][..d], k) * scale;
         }
     }
-    let mut parts: Vec<Partial> = (0..n_rep)
-        .map(|r| {
-            let s = &mut scores[r * n..][..n];
-            let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            for x in s.iter_mut() {
-                *x = exp_nonpositive(*x - max);
-            }
-            Partial { max, sum: sum8(s), acc: vec![0.0f32; d] }
-        })
-        .collect();
+    let mut parts = exponentiate(&mut scores, n, d);
     for (i, p) in positions.enumerate() {
         let v = &kv.values[base + p * d..][..d];
         for (r, part) in parts.iter_mut().enumerate() {
@@ -212,6 +195,22 @@ fn chunk_portable(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Ra
         }
     }
     parts
+}
+
+/// Turns each query head's `n` scores into e^(score - max) in place; returns each head's
+/// maximum and sum, with a zeroed accumulator of `d` values.
+#[inline(always)]
+fn exponentiate(scores: &mut [f32], n: usize, d: usize) -> Vec<Partial> {
+    scores
+        .chunks_exact_mut(n)
+        .map(|s| {
+            let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            for x in s.iter_mut() {
+                *x = exp_nonpositive(*x - max);
+            }
+            Partial { max, sum: sum8(s), acc: vec![0.0f32; d] }
+        })
+        .collect()
 }
 
 /// e^x for x <= 0 (a score minus the largest score), without a call to libm, so that a
@@ -265,32 +264,6 @@ fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
     for (o, v) in y.iter_mut().zip(x) {
         *o += w * v;
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Simd {
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    Portable,
-}
-
-/// The instruction set the kernels use, detected once (portable off x86).
-fn simd() -> Simd {
-    static DETECTED: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
-    *DETECTED.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx512f") {
-                return Simd::Avx512;
-            }
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                return Simd::Avx2;
-            }
-        }
-        Simd::Portable
-    })
 }
 
 #[cfg(test)]
@@ -368,17 +341,20 @@ mod tests {
             let q: Vec<f32> = random(kv_heads * n_rep * d, 200 + case as u64).iter().map(|x| 4.0 * x).collect();
             let kv = LayerKv { keys: &keys, values: &values, kv_heads, capacity, len, head_dim: d };
             let want = reference(&q, &kv);
-            let mut paths = vec![(Simd::Portable, attend_with(&q, &kv, chunk_portable))];
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::is_x86_feature_detected!("avx512f") {
-                    paths.push((Simd::Avx512, attend_with(&q, &kv, |q, kv, h, p| unsafe { chunk_avx512(q, kv, h, p) })));
-                }
-                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                    paths.push((Simd::Avx2, attend_with(&q, &kv, |q, kv, h, p| unsafe { chunk_avx2(q, kv, h, p) })));
-                }
-            }
-            paths.push((simd(), decode_attention(&q, &kv)));
+            let mut paths: Vec<(Kernel, Vec<f32>)> = Kernel::available()
+                .into_iter()
+                .map(|k| {
+                    let got = match k {
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Avx512 => attend_with(&q, &kv, |q, kv, h, p| unsafe { chunk_avx512(q, kv, h, p) }),
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Avx2 => attend_with(&q, &kv, |q, kv, h, p| unsafe { chunk_avx2(q, kv, h, p) }),
+                        _ => attend_with(&q, &kv, chunk_portable),
+                    };
+                    (k, got)
+                })
+                .collect();
+            paths.push((kernel(), decode_attention(&q, &kv)));
             for (path, got) in paths {
                 let err = got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
                 assert!(err < 1e-5, "case {case} on {path:?}: max error {err}");

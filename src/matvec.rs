@@ -9,7 +9,8 @@
 //! written with eight-lane arrays that the compiler vectorizes (NEON on aarch64, SSE2 on
 //! any x86-64). Each is tested against a float64 reference.
 
-/// The kernel this CPU runs, chosen once.
+/// The instruction set this CPU's kernels use (these and the decode attention's), chosen
+/// once.
 pub fn kernel() -> Kernel {
     static K: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
     *K.get_or_init(detect)
