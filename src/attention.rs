@@ -14,7 +14,7 @@
 
 use std::sync::OnceLock;
 
-use crate::matvec::{kernel, Kernel};
+use crate::matvec::kernel;
 use crate::team::Team;
 
 /// Positions per task: enough work to be worth a hand-off, few enough to spread a
@@ -86,10 +86,10 @@ fn chunk(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Range<usize
     match kernel() {
         // SAFETY: the CPU has AVX-512F (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 => unsafe { chunk_avx512(q, kv, h, positions) },
+        crate::matvec::Kernel::Avx512 => unsafe { chunk_avx512(q, kv, h, positions) },
         // SAFETY: the CPU has AVX2 and FMA (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 => unsafe { chunk_avx2(q, kv, h, positions) },
+        crate::matvec::Kernel::Avx2 => unsafe { chunk_avx2(q, kv, h, positions) },
         _ => chunk_portable(q, kv, h, positions),
     }
 }
@@ -269,6 +269,7 @@ fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::matvec::Kernel;
 
     /// Softmax attention in float64, the plain way.
     fn reference(q: &[f32], kv: &LayerKv<'_>) -> Vec<f64> {
