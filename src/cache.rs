@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Storage, Tensor};
 
-use crate::attention::{decode_attention, LayerKv};
+use crate::attention::{decode_attention, prefill_attention, LayerKv};
 
 use crate::error::{Error, Result};
 
@@ -235,6 +235,20 @@ impl KvCache {
     /// `len` positions, read in place from the buffers ([`crate::attention`]). None when
     /// the cache is not float32 in CPU memory (the caller then uses candle's ops).
     pub(crate) fn attend_one(&self, layer: usize, q: &[f32], len: usize) -> Result<Option<Vec<f32>>> {
+        self.with_layer(layer, len, |kv| decode_attention(q, kv))
+    }
+
+    /// Causal attention of `seq` new positions' queries `q` (heads, seq, head_dim), the
+    /// last `seq` of `layer`'s first `len` positions, over everything they may see; (seq,
+    /// heads * head_dim) ([`crate::attention::prefill_attention`]). None when the cache is
+    /// not float32 in CPU memory.
+    pub(crate) fn attend_causal(&self, layer: usize, q: &[f32], seq: usize, len: usize) -> Result<Option<Vec<f32>>> {
+        self.with_layer(layer, len, |kv| prefill_attention(q, seq, kv))
+    }
+
+    /// Runs `f` over `layer`'s first `len` positions read in place; None when the cache is
+    /// not float32 in CPU memory.
+    fn with_layer<R>(&self, layer: usize, len: usize, f: impl FnOnce(&LayerKv<'_>) -> R) -> Result<Option<R>> {
         let store = self.store.as_ref().ok_or_else(|| Error::Cache("the cache has no storage yet".into()))?;
         if self.layout.dtype != DType::F32 || !self.layout.device.is_cpu() {
             return Ok(None);
@@ -250,7 +264,7 @@ impl KvCache {
             len,
             head_dim: self.layout.head_dim,
         };
-        Ok(Some(decode_attention(q, &kv)))
+        Ok(Some(f(&kv)))
     }
 
     /// Records the ids whose keys and values were just written.

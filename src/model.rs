@@ -55,7 +55,8 @@ pub struct Llama {
     norm: Norm,
     lm_head: Linear,
     rope: Rope,
-    /// Whether single tokens take kvcandle's own step ([`decode`]): float32 in CPU memory.
+    /// Float32 in CPU memory: single tokens take kvcandle's own step ([`decode`]) and
+    /// prefill chunks its own causal attention ([`crate::attention::prefill_attention`]).
     decode: bool,
 }
 
@@ -261,6 +262,13 @@ impl Llama {
         let v = split(qkv.narrow(2, (heads + kv_heads) * d, kv_heads * d)?, kv_heads)?;
         cache.write(index, &k, &v)?;
         let total = offset + seq;
+        if self.decode {
+            // float32 in CPU memory: kvcandle's own causal attention, in place over the cache
+            let qs = q.flatten_all()?.to_vec1::<f32>()?;
+            if let Some(y) = cache.attend_causal(index, &qs, seq, total)? {
+                return Ok(a.o_proj.forward(&Tensor::from_vec(y, (b, seq, heads * d), &self.device)?)?);
+            }
+        }
         let (k, v) = cache.view(index, total)?;
         // candle's gemm backend takes the strided views as they are; Accelerate (macOS) and
         // GPU kernels are stricter about strides, so they get a contiguous copy.
