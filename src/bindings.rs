@@ -2,6 +2,7 @@
 //! with the GIL released. Engine errors become the exception classes defined in
 //! `kvcandle/errors.py` (Python classes, so they can also subclass IndexError etc).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -16,6 +17,7 @@ use pyo3::PyClass;
 use pyo3::types::{PyDict, PyInt, PyList, PyType};
 
 use crate::cache::KvCache;
+use crate::cache_file;
 use crate::device::{compiled_devices, dtype_name, parse_device, parse_dtype};
 use crate::error::{no_panic, one_line, Error};
 use crate::loader::{self, Weights};
@@ -32,6 +34,7 @@ fn error_class(e: &Error) -> &'static str {
         Error::TokenId { .. } => "TokenIdError",
         Error::Input(_) => "InputError",
         Error::Cache(_) => "CacheError",
+        Error::CacheFile { .. } => "CacheFileError",
         Error::Engine(_) => "EngineError",
     }
 }
@@ -271,6 +274,14 @@ impl Model {
         self.inner.check_sequence(&ids, &guard.inner).map(drop).py_err(cache.py())
     }
 
+    /// Reads a cache file saved from this model; every (key, value) of `expected` (the
+    /// model's fingerprint) must match the file's metadata.
+    fn load_cache(&self, py: Python<'_>, path: PathBuf, expected: HashMap<String, String>) -> PyResult<(KVCache, HashMap<String, String>)> {
+        let model = &self.inner;
+        let (inner, metadata) = py.detach(|| no_panic(|| cache_file::load(&path, model, &expected))).py_err(py)?;
+        Ok((KVCache { inner }, metadata))
+    }
+
     /// candle-transformers' own Llama built from the same weights (shared, not copied).
     fn upstream(&self, py: Python<'_>) -> PyResult<UpstreamModel> {
         let weights = &self.weights;
@@ -360,6 +371,13 @@ impl KVCache {
 
     fn fork(slf: &Bound<'_, Self>) -> PyResult<KVCache> {
         Ok(KVCache { inner: read(slf)?.inner.fork() })
+    }
+
+    /// Writes the cache to `path` atomically, with `metadata` (the model's fingerprint).
+    fn save(slf: &Bound<'_, Self>, path: PathBuf, metadata: HashMap<String, String>) -> PyResult<()> {
+        let guard = read(slf)?;
+        let cache = &guard.inner;
+        slf.py().detach(|| no_panic(|| cache_file::save(cache, &path, &metadata))).py_err(slf.py())
     }
 
     fn keys<'py>(slf: &Bound<'py, Self>, layer: usize) -> PyResult<Bound<'py, PyUntypedArray>> {

@@ -37,6 +37,11 @@ pub enum Error {
     #[error("{0}")]
     Cache(String),
 
+    /// A cache file that cannot be read or written: missing, truncated, corrupted, of
+    /// another format or version, or with sizes that do not fit the model.
+    #[error("cache file {path}: {reason}")]
+    CacheFile { path: PathBuf, reason: String },
+
     /// An error inside candle while computing.
     #[error("engine error: {0}")]
     Engine(candle_core::Error),

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod cache;
+pub mod cache_file;
 pub mod config;
 pub mod device;
 pub mod error;

@@ -11,8 +11,10 @@ from . import upstream
 from ._core import __version__, compiled_devices
 from ._default import default_model_path
 from .cache import KVCache, LayerView
+from .conversation import Conversation
 from .errors import (
     CacheError,
+    CacheFileError,
     DeviceError,
     DTypeError,
     EngineError,
@@ -25,7 +27,8 @@ from .errors import (
     TokenIdError,
 )
 from .generation import GenerationResult, Piece, generate, generate_step, stream_generate
-from .model import Model, ModelConfig, load
+from .model import Model, ModelConfig, Sync, load, load_cache
+from .prompt_cache import PromptCache
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "compiled_devices",
     "default_model_path",
     "load",
+    "load_cache",
     "generate",
     "stream_generate",
     "generate_step",
@@ -41,6 +45,9 @@ __all__ = [
     "Model",
     "ModelConfig",
     "KVCache",
+    "PromptCache",
+    "Conversation",
+    "Sync",
     "LayerView",
     "Tokenizer",
     "upstream",
@@ -54,5 +61,6 @@ __all__ = [
     "TokenIdError",
     "InputError",
     "CacheError",
+    "CacheFileError",
     "EngineError",
 ]

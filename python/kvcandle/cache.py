@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence, overload
+import os
+from typing import TYPE_CHECKING, Iterator, Mapping, Optional, Sequence, Union, overload
 
 import numpy as np
 
 from . import _core
+
+if TYPE_CHECKING:
+    from .model import Model
 
 
 class LayerView:
@@ -64,10 +68,11 @@ class KVCache:
     to it. The length always comes from the cache itself: positions are never passed.
     """
 
-    __slots__ = ("_inner",)
+    __slots__ = ("_inner", "_model")
 
-    def __init__(self, inner: _core.KVCache) -> None:
+    def __init__(self, inner: _core.KVCache, model: "Model") -> None:
         self._inner = inner
+        self._model = model
 
     def __len__(self) -> int:
         return len(self._inner)
@@ -156,7 +161,27 @@ class KVCache:
         O(1): no keys or values are copied until one side appends, and neither side
         ever sees what the other appends afterwards.
         """
-        return KVCache(self._inner.fork())
+        return KVCache(self._inner.fork(), self._model)
+
+    def save(self, path: Union[str, "os.PathLike[str]"]) -> None:
+        """Writes the cache to a safetensors file: each layer's keys and values for the
+        positions held (not the capacity), the token ids, and in the metadata the model's
+        fingerprint (:attr:`kvcandle.Model.fingerprint`). Load it with
+        :func:`kvcandle.load_cache`.
+
+        The file is written beside ``path`` under a temporary name, flushed to disk and
+        renamed over ``path``: an interrupted save leaves an earlier file intact.
+
+        Raises:
+            CacheFileError: the file cannot be written (the message says why).
+        """
+        self._save(path, {})
+
+    def _save(self, path: Union[str, "os.PathLike[str]"], extra: Mapping[str, str]) -> None:
+        """:meth:`save` with more metadata (a conversation's own state)."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        self._inner.save(os.fspath(path), {**extra, **self._model.fingerprint})
 
     def __repr__(self) -> str:
         return f"KVCache(len={len(self)}, max_length={self.max_length}, layers={len(self.layers)})"

@@ -45,6 +45,13 @@ class CacheError(KVCandleError, ValueError):
     """A cache was used with a model that did not create it, or concurrently."""
 
 
+class CacheFileError(KVCandleError, ValueError):
+    """A saved cache (or prompt-cache entry, or conversation) file cannot be read or
+    written: missing, truncated, corrupted, not a kvcandle cache, of another format
+    version, or with sizes that do not fit the model. (A file saved from another model
+    raises :class:`CacheError`, naming what differs.)"""
+
+
 class EngineError(KVCandleError, RuntimeError):
     """candle failed while computing (for the upstream engine: candle's own errors)."""
 
@@ -59,6 +66,7 @@ __all__ = [
     "TokenIdError",
     "InputError",
     "CacheError",
+    "CacheFileError",
     "EngineError",
 ]
 

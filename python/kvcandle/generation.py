@@ -18,9 +18,10 @@ import numpy as np
 
 from .cache import KVCache
 from ._checks import check_int, refuse, show
-from ._ids import as_ids, common_prefix
+from ._ids import as_ids
 from .errors import InputError
 from .model import Model
+from .prompt_cache import PromptCache
 from .sampling import apply_repetition_penalty, check_settings, sample
 
 Prompt = Union[str, Sequence[int]]
@@ -32,6 +33,9 @@ class Stats:
     """Tokens in the prompt."""
     prefill_tokens: int = 0
     """Prompt tokens actually run (the rest came from the cache)."""
+    reused_tokens: int = 0
+    """Prompt tokens taken from a cache (given, or found in a prompt cache) instead of
+    run: ``prompt_tokens - prefill_tokens``."""
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     """The prefill and the first token's sampling: the time to the first token."""
@@ -147,19 +151,18 @@ def generate_step(
     stats = stats if stats is not None else Stats()
     rng = np.random.default_rng(seed)
     ids = list(prompt_ids)
-    # everything that could refuse the call is checked before the cache is cropped
-    model.check_sequence(ids, cache)
-    keep = common_prefix(cache.tokens, ids)
-    if keep < len(cache):
-        cache.crop(keep)
-    stats.prompt_tokens = len(ids)
-    stats.prefill_tokens = len(ids) - min(keep, len(ids) - 1)
     history = list(ids)
     # Only the work done here is timed, never the caller's time between tokens: the
     # prefill and the first sample are the time to the first token, each later forward
     # plus its sample one decode step.
     clock = time.perf_counter()
-    logits = model.prefill(ids, cache)
+    # the cache keeps its common prefix with the prompt; everything that could refuse
+    # the call is checked before it changes
+    synced = model.sync(ids, cache, diverged="crop")
+    stats.prompt_tokens = len(ids)
+    stats.prefill_tokens = synced.ran
+    stats.reused_tokens = synced.kept
+    logits = synced.logits
     while True:
         if repetition_penalty is not None:
             logits = apply_repetition_penalty(logits, history, repetition_penalty)
@@ -189,6 +192,7 @@ def stream_generate(
     seed: Optional[int] = None,
     stop: Union[str, Sequence[str], None] = None,
     stats: Optional[Stats] = None,
+    prompt_cache: Optional["PromptCache"] = None,
 ) -> Iterator[Piece]:
     """Yields the generated text piece by piece. A piece never ends inside a multi-byte
     character, and text that could begin a stop string is held back until it cannot;
@@ -207,7 +211,13 @@ def stream_generate(
     stops = _stop_strings(stop)
     tok = model.tokenizer
     ids = encode_prompt(model, prompt)
-    cache = cache if cache is not None else model.new_cache()
+    if prompt_cache is not None and not isinstance(prompt_cache, PromptCache):
+        raise TypeError(f"prompt_cache must be a kvcandle.PromptCache, got {type(prompt_cache).__name__}")
+    if prompt_cache is not None and prompt_cache.model is not model:
+        raise InputError("prompt_cache holds another model's caches")
+    if cache is None:
+        # the longest prefix any entry shares, or an empty cache
+        cache = prompt_cache.lookup(ids) if prompt_cache is not None else model.new_cache()
     stats = stats if stats is not None else Stats()
     eos = set(tok.eos_token_ids) | set(model.config.eos_token_ids)
     pending: list[int] = []  # ids generated since the last piece
@@ -249,6 +259,8 @@ def stream_generate(
             reason = "context"
             break
     steps.close()
+    if prompt_cache is not None:
+        prompt_cache.insert(cache)
     # an incomplete UTF-8 sequence at the very end (cut by max_tokens) never left the decoder
     yield Piece(held, pending, reason)
 
@@ -265,6 +277,7 @@ def generate(
     repetition_penalty: Optional[float] = None,
     seed: Optional[int] = None,
     stop: Union[str, Sequence[str], None] = None,
+    prompt_cache: Optional["PromptCache"] = None,
 ) -> GenerationResult:
     """Generates a continuation of ``prompt`` (a str or token ids).
 
@@ -273,6 +286,10 @@ def generate(
         prompt: the whole prompt; with ``cache``, only what the cache lacks is run.
         max_tokens: the most tokens to generate.
         cache: a cache to reuse and extend (cropped to its common prefix with the prompt).
+        prompt_cache: a :class:`kvcandle.PromptCache`: without ``cache``, generation
+            starts from the longest prefix of the prompt it holds; the cache used is
+            inserted into it afterwards. ``result.stats.reused_tokens`` says how many
+            prompt tokens were not run.
         temperature: 0 is greedy; otherwise sampling, reproducible with ``seed``.
         top_k, top_p, repetition_penalty: sampling filters.
         stop: strings that end generation; the text ends before the first one.
@@ -292,6 +309,7 @@ def generate(
     for piece in stream_generate(
         model, prompt, max_tokens=max_tokens, cache=cache, temperature=temperature, top_k=top_k,
         top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, stats=stats,
+        prompt_cache=prompt_cache,
     ):
         pieces.append(piece.text)
         token_list.extend(piece.tokens)

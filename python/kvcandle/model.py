@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 
 import numpy as np
 
@@ -13,7 +16,7 @@ from . import _core
 from ._default import default_model_path
 from ._ids import Ids, as_ids, common_prefix
 from .cache import KVCache
-from .errors import CacheError
+from .errors import CacheError, InputError
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -46,6 +49,23 @@ class Model:
         self._inner = inner
         self.config = ModelConfig(**inner.config())
         self.tokenizer = tokenizer
+        self._fingerprint: Optional[dict[str, str]] = None
+
+    @property
+    def fingerprint(self) -> dict[str, str]:
+        """What a saved cache records of the model that made it, and what loading one
+        checks: the architecture numbers, the dtype, whether the linear layers run on
+        quantized blocks (their keys and values differ from float32's), and a BLAKE2b
+        hash of the weight files. The hash is computed once per model, on first use
+        (about 0.1 s per 100 MB)."""
+        if self._fingerprint is None:
+            self._fingerprint = {
+                "model.architecture": json.dumps(dataclasses.asdict(self.config), sort_keys=True),
+                "model.dtype": self.dtype,
+                "model.quantized": "true" if self.quantized else "false",
+                "model.weights": _hash_weights(self.path),
+            }
+        return dict(self._fingerprint)
 
     @property
     def dtype(self) -> str:
@@ -71,7 +91,7 @@ class Model:
 
     def new_cache(self) -> KVCache:
         """An empty cache for this model (storage is allocated on first use)."""
-        return KVCache(self._inner.new_cache())
+        return KVCache(self._inner.new_cache(), self)
 
     def forward(self, ids: Ids, cache: Optional[KVCache] = None, *, all_logits: bool = False) -> np.ndarray:
         """Runs ``ids`` after the tokens the cache holds and appends them to it.
@@ -113,19 +133,50 @@ class Model:
             raise TypeError(f"cache must be a kvcandle.KVCache, got {type(cache).__name__}")
         self._inner.check_sequence(as_ids(ids), cache._inner)
 
-    def prefill(self, ids: Ids, cache: KVCache) -> np.ndarray:
-        """Makes ``cache`` hold exactly ``ids``, running only the tokens it lacks.
+    def sync(self, ids: Ids, cache: KVCache, *, diverged: Literal["crop", "raise"] = "crop") -> "Sync":
+        """Makes ``cache`` hold exactly ``ids`` (a whole sequence: a prompt, a
+        conversation so far), running only the tokens it lacks. Every call that brings a
+        cache in line with a sequence goes through here: :meth:`prefill`,
+        :func:`kvcandle.generate`, :class:`kvcandle.Conversation`.
 
-        Unlike :meth:`forward`, which appends, ``ids`` here is the whole sequence (a
-        prompt, a conversation so far). The cache must hold a prefix of it; a cache that
-        holds something else is never silently extended.
+        The cache keeps its longest common prefix with ``ids``. When it also holds tokens
+        that are not part of ``ids`` (it *diverges*), ``diverged="crop"`` drops them
+        (O(1)) and ``diverged="raise"`` raises instead. When the cache already holds all
+        of ``ids``, the last position is run again for its logits.
 
-        Args:
-            ids: the full token sequence.
-            cache: a cache of this model holding a prefix of ``ids``.
+        Everything that could refuse the call is checked before the cache changes.
 
         Returns:
-            float32 logits of the last position, shape ``(vocab,)``.
+            ``Sync(kept, ran, logits)``: positions kept from the cache, tokens run, and
+            the float32 logits of the last position.
+
+        Raises:
+            CacheError: ``diverged="raise"`` and the cache diverges (the message names the
+                first differing position), or the cache belongs to another model.
+            InputError: ``ids`` is empty, or ``diverged`` is neither "crop" nor "raise".
+            And everything :meth:`forward` raises.
+        """
+        if diverged not in ("crop", "raise"):
+            raise InputError(f'diverged must be "crop" or "raise", got {diverged!r}')
+        wanted = as_ids(ids)
+        self.check_sequence(wanted, cache)
+        held = cache.tokens
+        common = common_prefix(held, wanted)
+        if common < len(held) and diverged == "raise":
+            raise CacheError(
+                f"the cache holds {len(held)} tokens that are not a prefix of these {len(wanted)} ids "
+                f"(first difference at position {common}); crop({common}), reset() or fork() the cache first"
+            )
+        keep = min(common, len(wanted) - 1)  # the last position always runs: its logits are the answer
+        if keep < len(held):
+            cache.crop(keep)
+        logits = self.forward(wanted[keep:], cache)
+        return Sync(kept=keep, ran=len(wanted) - keep, logits=logits)
+
+    def prefill(self, ids: Ids, cache: KVCache) -> np.ndarray:
+        """Makes ``cache`` hold exactly ``ids``, running only the tokens it lacks:
+        :meth:`sync` with ``diverged="raise"`` (a cache holding something else is never
+        silently cut). Returns the last position's float32 logits, ``(vocab,)``.
 
         Raises:
             CacheError: the cache holds tokens that are not a prefix of ``ids``; the
@@ -133,20 +184,18 @@ class Model:
                 ``cache.reset()`` or ``cache.fork()`` first, then prefill again.
             And everything :meth:`forward` raises.
         """
-        wanted = as_ids(ids)
-        held = cache.tokens
-        common = common_prefix(held, wanted)
-        if common < len(held):
-            raise CacheError(
-                f"the cache holds {len(held)} tokens that are not a prefix of these {len(wanted)} ids "
-                f"(first difference at position {common}); crop({common}), reset() or fork() the cache first"
-            )
-        if not wanted:
-            return self.forward(wanted, cache)  # raises InputError: ids is empty
-        if common == len(wanted):
-            cache.crop(common - 1)  # everything is cached: recompute the last position for its logits
-            common -= 1
-        return self.forward(wanted[common:], cache)
+        return self.sync(ids, cache, diverged="raise").logits
+
+    def load_cache(self, path: Union[str, os.PathLike[str]]) -> KVCache:
+        """:func:`kvcandle.load_cache` for this model."""
+        return self._load_cache(path)[0]
+
+    def _load_cache(self, path: Union[str, os.PathLike[str]]) -> tuple[KVCache, dict[str, str]]:
+        """:meth:`load_cache`, with the file's metadata."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        inner, metadata = self._inner.load_cache(os.fspath(path), self.fingerprint)
+        return KVCache(inner, self), metadata
 
     def upstream(self) -> "UpstreamModel":
         """candle-transformers' own Llama on the same weights (shared, not copied)."""
@@ -161,6 +210,51 @@ class Model:
             f"kv_heads={c.num_key_value_heads}, dtype={self.dtype!r}, device={self.device!r}"
             f"{', quantized' if self.quantized else ''})"
         )
+
+
+@dataclass(frozen=True)
+class Sync:
+    """What :meth:`Model.sync` did."""
+
+    kept: int
+    """Positions the cache already held and kept."""
+    ran: int
+    """Tokens run (``len(ids) - kept``)."""
+    logits: np.ndarray = field(repr=False)
+    """float32 logits of the last position, ``(vocab,)``."""
+
+
+def _hash_weights(path: Path) -> str:
+    """BLAKE2b (128 bits) of the weight files at ``path``: the GGUF file, or a
+    directory's ``config.json`` and ``*.safetensors`` files in name order."""
+    files = [path] if path.is_file() else sorted([*path.glob("*.safetensors"), path / "config.json"])
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        if not f.is_file():
+            continue
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as stream:
+            while chunk := stream.read(1 << 23):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def load_cache(path: Union[str, os.PathLike[str]], model: Model) -> KVCache:
+    """Loads a cache saved with :meth:`KVCache.save`.
+
+    The round trip is exact: the keys, values and tokens are the saved ones bit for bit,
+    so continuing a loaded cache gives the logits continuing the original gives.
+
+    Raises:
+        CacheError: the file was saved from another model (the message names each
+            difference: architecture, dtype, quantized or weights).
+        CacheFileError: the file is missing, truncated, corrupted, not a kvcandle cache
+            or of another version, or its sizes do not fit the model. Nothing is read
+            outside the file, and no more is allocated than the file's size and the cache.
+    """
+    if not isinstance(model, Model):
+        raise TypeError(f"model must be a kvcandle.Model, got {type(model).__name__}")
+    return model.load_cache(path)
 
 
 def load(
