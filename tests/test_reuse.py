@@ -1,0 +1,171 @@
+"""One way to bring a cache in line with a sequence (Model.sync), and prefix reuse
+(PromptCache)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvcandle
+
+A = [3, 9, 27, 81, 43, 29, 87, 61, 83, 49]
+
+
+def test_sync_runs_only_what_the_cache_lacks(tiny: kvcandle.Model) -> None:
+    cache = tiny.new_cache()
+    s = tiny.sync(A[:4], cache)
+    assert (s.kept, s.ran, len(cache)) == (0, 4, 4)
+    s = tiny.sync(A, cache)
+    assert (s.kept, s.ran, cache.tokens) == (4, 6, A)
+    assert np.allclose(s.logits, tiny.forward(A), atol=1e-5)
+    # everything held: the last position runs again for its logits
+    s = tiny.sync(A, cache)
+    assert (s.kept, s.ran, cache.tokens) == (9, 1, A)
+
+
+def test_sync_policy_for_a_cache_that_diverges(tiny: kvcandle.Model) -> None:
+    cache = tiny.new_cache()
+    tiny.forward(A, cache)
+    other = A[:5] + [1, 2]
+    with pytest.raises(kvcandle.CacheError, match="first difference at position 5"):
+        tiny.sync(other, cache, diverged="raise")
+    assert cache.tokens == A  # refused: unchanged
+    with pytest.raises(kvcandle.CacheError):
+        tiny.prefill(other, cache)
+    s = tiny.sync(other, cache, diverged="crop")
+    assert (s.kept, s.ran, cache.tokens) == (5, 2, other)
+    with pytest.raises(kvcandle.InputError, match="diverged"):
+        tiny.sync(other, cache, diverged="keep")  # type: ignore[arg-type]
+
+
+def test_sync_refuses_before_changing_anything(tiny: kvcandle.Model) -> None:
+    cache = tiny.new_cache()
+    tiny.forward(A, cache)
+    with pytest.raises(kvcandle.TokenIdError):
+        tiny.sync(A[:2] + [10**6], cache)
+    with pytest.raises(kvcandle.PositionError):
+        tiny.sync(A[:2] + [1] * tiny.config.max_position_embeddings, cache)
+    with pytest.raises(kvcandle.InputError):
+        tiny.sync([], cache)
+    assert cache.tokens == A
+
+
+def test_generate_reports_reused_tokens(default_model: kvcandle.Model) -> None:
+    cache = default_model.new_cache()
+    prompt = default_model.tokenizer.encode("The capital of France is")
+    first = kvcandle.generate(default_model, prompt, max_tokens=3, cache=cache)
+    again = kvcandle.generate(default_model, prompt + first.tokens, max_tokens=3, cache=cache)
+    assert first.stats.reused_tokens == 0
+    # the cache holds the prompt and every generated token but the last
+    assert again.stats.reused_tokens == len(prompt) + len(first.tokens) - 1
+    assert again.stats.prefill_tokens == 1
+
+
+def test_prompt_cache_lookup_gives_the_longest_shared_prefix(tiny: kvcandle.Model) -> None:
+    pc = kvcandle.PromptCache(tiny, max_bytes=10**9)
+    c = tiny.new_cache()
+    tiny.forward(A, c)
+    assert pc.insert(c) and len(pc) == 1
+    assert pc.nbytes == c.nbytes
+    hit = pc.lookup(A[:6] + [5, 5])
+    assert hit.tokens == A[:6]
+    # the entry is a fork: appending to the found cache never changes it
+    tiny.forward([5, 5], hit)
+    assert pc.lookup(A).tokens == A
+    miss = pc.lookup([7, 7])
+    assert len(miss) == 0
+    # a prefix of an entry only touches it; an extension replaces it
+    short = tiny.new_cache()
+    tiny.forward(A[:3], short)
+    assert pc.insert(short) and pc.entries() == [A]
+    longer = c.fork()
+    tiny.forward([11], longer)
+    assert pc.insert(longer) and pc.entries() == [A + [11]]
+
+
+def test_prompt_cache_continuation_equals_a_fresh_prefill(default_model: kvcandle.Model) -> None:
+    tok = default_model.tokenizer
+    doc = tok.encode("A long shared document about the history of the Roman Empire. " * 8)
+    question = tok.encode(" Who was the first emperor?")
+    pc = kvcandle.PromptCache(default_model, max_bytes=10**9)
+    c = default_model.new_cache()
+    default_model.forward(doc + tok.encode(" Where was Rome?"), c)
+    pc.insert(c)
+    found = pc.lookup(doc + question)
+    assert len(found) >= len(doc)
+    got = default_model.sync(doc + question, found).logits
+    want = default_model.forward(doc + question)
+    # the same rows computed in other chunks: float32 rounding only (2e-5 of 15 seen here)
+    assert np.max(np.abs(got - want)) <= 1e-5 * float(np.max(np.abs(want)))
+    assert int(np.argmax(got)) == int(np.argmax(want))
+
+
+def test_prompt_cache_evicts_least_recently_used(tiny: kvcandle.Model) -> None:
+    caches = []
+    for start in (1, 2, 3):
+        c = tiny.new_cache()
+        tiny.forward([start] * 10, c)
+        caches.append(c)
+    per = caches[0].nbytes
+    pc = kvcandle.PromptCache(tiny, max_bytes=2 * per)
+    pc.insert(caches[0])
+    pc.insert(caches[1])
+    pc.lookup([1] * 4)  # the first becomes the most recently used
+    pc.insert(caches[2])
+    assert pc.entries() == [[1] * 10, [3] * 10]
+    assert pc.nbytes <= pc.max_bytes
+    assert not kvcandle.PromptCache(tiny, max_bytes=per - 1).insert(caches[0])
+    with pytest.raises(kvcandle.InputError, match="max_bytes"):
+        kvcandle.PromptCache(tiny, max_bytes=-1)
+
+
+def test_prompt_cache_refuses_other_models_caches(tiny_models: dict[str, kvcandle.Model]) -> None:
+    pc = kvcandle.PromptCache(tiny_models["gqa"], max_bytes=10**9)
+    c = tiny_models["mha_tied"].new_cache()
+    tiny_models["mha_tied"].forward([1, 2], c)
+    with pytest.raises(kvcandle.CacheError):
+        pc.insert(c)
+
+
+def test_prompt_cache_saves_and_loads_a_directory(tiny: kvcandle.Model, tiny_models: dict[str, kvcandle.Model], tmp_path: Path) -> None:
+    pc = kvcandle.PromptCache(tiny, max_bytes=10**9)
+    for start in (1, 2):
+        c = tiny.new_cache()
+        tiny.forward([start] * 6, c)
+        pc.insert(c)
+    # another model's entries in the same directory are left alone
+    other = kvcandle.PromptCache(tiny_models["mha_tied"], max_bytes=10**9)
+    oc = tiny_models["mha_tied"].new_cache()
+    tiny_models["mha_tied"].forward([4, 4], oc)
+    other.insert(oc)
+    other.save(tmp_path)
+    pc.save(tmp_path)
+    back = kvcandle.PromptCache.load(tmp_path, tiny, max_bytes=10**9)
+    assert sorted(back.entries()) == [[1] * 6, [2] * 6]
+    assert np.array_equal(back.lookup([2] * 6).layers[0].keys, pc.lookup([2] * 6).layers[0].keys)
+    pc.clear()
+    pc.save(tmp_path)  # entries no longer held are removed; the other model's stay
+    assert len(kvcandle.PromptCache.load(tmp_path, tiny, max_bytes=10**9)) == 0
+    assert len(kvcandle.PromptCache.load(tmp_path, tiny_models["mha_tied"], max_bytes=10**9)) == 1
+    # a damaged entry is skipped with a warning naming it
+    c = tiny.new_cache()
+    tiny.forward([9] * 3, c)
+    pc.insert(c)
+    pc.save(tmp_path)
+    victim = next(p for p in tmp_path.iterdir() if p.name.startswith(tiny.fingerprint["model.weights"][:16]))
+    victim.write_bytes(victim.read_bytes()[:50])
+    with pytest.warns(kvcandle.KVCandleWarning, match=victim.name):
+        assert len(kvcandle.PromptCache.load(tmp_path, tiny, max_bytes=10**9)) == 0
+
+
+def test_generate_with_a_prompt_cache(default_model: kvcandle.Model) -> None:
+    doc = "Notes: the meeting is on Tuesday at noon in room 4. " * 6
+    pc = kvcandle.PromptCache(default_model, max_bytes=10**9)
+    first = kvcandle.generate(default_model, doc + "When is the meeting?", max_tokens=4, prompt_cache=pc)
+    second = kvcandle.generate(default_model, doc + "Where is the meeting?", max_tokens=4, prompt_cache=pc)
+    fresh = kvcandle.generate(default_model, doc + "Where is the meeting?", max_tokens=4)
+    assert first.stats.reused_tokens == 0
+    assert second.stats.reused_tokens >= len(default_model.tokenizer.encode(doc)) - 2
+    assert second.tokens == fresh.tokens
