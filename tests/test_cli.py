@@ -148,3 +148,45 @@ def test_generate_quantized():
     assert code == 0 and out.startswith(" Paris"), err
     code, out, _ = run(["info", "--quantized"])
     assert code == 0 and "linear layers quantized" in out
+
+
+def test_chat_greets_helps_and_quits():
+    code, out, err = run(["chat"], stdin="/help\n/quit\nthis line is never read\n")
+    assert code == 0
+    assert "SmolLM2" in err and "float32" in err and "cpu" in err and "/help" in err
+    assert "/save NAME" in out and "/quit" in out and "/undo" in out
+    assert "never" not in out
+    _, out, _ = run(["chat"], stdin="/frobnicate\n")
+    assert "unknown command '/frobnicate'" in out and "/help" in out
+
+
+def test_chat_stats_in_human_units():
+    code, out, _ = run(["chat", "--max-tokens", "5"], stdin="Hi!\n/stats\n")
+    assert code == 0
+    stats = out.split("(cache ")[1]
+    assert " KiB," in stats or " MiB," in stats
+    assert cli.human_bytes(512) == "512 B" and cli.human_bytes(3 * 2**20) == "3.0 MiB"
+
+
+def test_chat_save_and_load(tmp_path):
+    path = tmp_path / "chat.kvcache"
+    q = "What is the capital of France?"
+    code, out, _ = run(["chat", "--max-tokens", "30"], stdin=f"{q}\n/save {path}\n")
+    assert code == 0 and f"(saved 1 turns" in out and path.exists()
+    code, resumed, _ = run(["chat", "--max-tokens", "30"], stdin=f"/load {path}\nAnd of Italy?\n")
+    assert code == 0 and "(loaded 1 turns" in resumed
+    _, straight, _ = run(["chat", "--max-tokens", "30"], stdin=f"{q}\nAnd of Italy?\n")
+    assert resumed.split("\n", 1)[1] == straight.split("\n", 1)[1]
+    _, out, _ = run(["chat"], stdin=f"/load {tmp_path / 'missing'}\n/save\n")
+    assert "(not loaded: cache file" in out and "/save needs a file name" in out
+
+
+def test_generate_prompt_cache_reuses_across_runs(tmp_path):
+    doc = "Notes: the meeting is on Tuesday at noon in room 4. " * 5
+    first = run(["generate", doc + "When?", "--max-tokens", "4", "--prompt-cache", str(tmp_path)])
+    second = run(["generate", doc + "Where?", "--max-tokens", "4", "--prompt-cache", str(tmp_path)])
+    assert first[0] == second[0] == 0
+    assert "reused" not in first[2]
+    reused = int(second[2].split(" reused")[0].rsplit(", ", 1)[1])
+    assert reused > 50
+    assert list(tmp_path.glob("*.kvcache.safetensors"))

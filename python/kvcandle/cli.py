@@ -1,6 +1,6 @@
 """The ``kvcandle`` command: ``generate``, ``chat`` and ``info``.
 
-    kvcandle generate "The capital of France is" [--model PATH] [--max-tokens N] ...
+    kvcandle generate "The capital of France is" [--model PATH] [--max-tokens N] [--prompt-cache DIR] ...
     kvcandle chat [--model PATH] [--system TEXT] [--max-tokens N] [--temperature T]
     kvcandle info [--model PATH]
 
@@ -15,9 +15,11 @@ import threading
 import time
 from typing import IO, Iterable, Optional, Sequence
 
-from .errors import KVCandleError
+from .conversation import Conversation
+from .errors import InputError, KVCandleError
 from .generation import Stats, stream_generate
 from .model import Model, load
+from .prompt_cache import PromptCache
 
 
 class CommandError(Exception):
@@ -59,18 +61,34 @@ def load_with_progress(path: Optional[str], err: IO[str], quantized: bool = Fals
         thread.join()
 
 
+def human_bytes(n: int) -> str:
+    """``n`` bytes in binary units: ``"512 B"``, ``"2.3 MiB"``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
 def stats_line(stats: Stats, model: Model, cache) -> str:
     keys = cache.layers[0].keys.shape if len(cache) else None
+    reused = f", {stats.reused_tokens} reused" if stats.reused_tokens else ""
     return (
-        f"[prompt {stats.prompt_tokens} tok ({stats.prefill_tokens} run) | generated {stats.generated_tokens} tok | "
+        f"[prompt {stats.prompt_tokens} tok ({stats.prefill_tokens} run{reused}) | generated {stats.generated_tokens} tok | "
         f"prefill {stats.prefill_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | "
-        f"cache {len(cache)}/{cache.max_length} pos, {cache.nbytes / 1e6:.2f} MB, keys {keys}]"
+        f"cache {len(cache)}/{cache.max_length} pos, {human_bytes(cache.nbytes)}, keys {keys}]"
     )
 
 
 def cmd_generate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     model = load_with_progress(args.model, err, args.quantized)
-    cache = model.new_cache()
+    prompt_cache = None
+    if args.prompt_cache:
+        prompt_cache = PromptCache.load(args.prompt_cache, model, max_bytes=args.prompt_cache_bytes)
+        cache = prompt_cache.lookup(model.tokenizer.encode(args.prompt) if model.tokenizer else [])
+    else:
+        cache = model.new_cache()
     stats = Stats()
     reason = "interrupted"
     try:
@@ -85,13 +103,21 @@ def cmd_generate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     except KeyboardInterrupt:
         pass
     out.write("\n")
+    if prompt_cache is not None:
+        prompt_cache.insert(cache)
+        prompt_cache.save(args.prompt_cache)
     err.write(stats_line(stats, model, cache) + f" finish={reason}\n")
     return 130 if reason == "interrupted" else 0
 
 
 def read_lines(stream: IO[str], out: IO[str]) -> Iterable[str]:
-    """Lines of user input: prompted when interactive, read plainly when piped."""
+    """Lines of user input: prompted, with line editing and history (Python's readline,
+    where the platform has it), on a terminal; read plainly when piped."""
     if stream.isatty():
+        try:
+            import readline  # noqa: F401  (input() edits lines and recalls history once imported)
+        except ImportError:
+            pass
         while True:
             try:
                 yield input("> ")
@@ -102,65 +128,75 @@ def read_lines(stream: IO[str], out: IO[str]) -> Iterable[str]:
             yield line.rstrip("\n")
 
 
+CHAT_HELP = """commands:
+  /undo         forget the last exchange (the cache is cropped back, O(1))
+  /reset        start again from the system prompt
+  /stats        cache size and where each exchange begins
+  /save NAME    save the conversation and its cache to the file NAME
+  /load NAME    continue a conversation saved with /save
+  /help         this list
+  /quit         leave (as does Ctrl-D)"""
+
+
 def cmd_chat(args: argparse.Namespace, inp: IO[str], out: IO[str], err: IO[str]) -> int:
     model = load_with_progress(args.model, err, args.quantized)
-    tok = model.tokenizer
-    if tok is None or not tok.chat_template:
-        raise CommandError(f"{model.path} has no tokenizer with a chat template, so it cannot chat")
-    eos_ids = tok.eos_token_ids or model.config.eos_token_ids
-    eos: Optional[int] = eos_ids[0] if eos_ids else None
-    cache = model.new_cache()
-    base = [{"role": "system", "content": args.system}] if args.system else []
-    messages = list(base)
-    history: list[int] = []  # the conversation's ids, as the model saw and wrote them
-    turns: list[tuple[int, int]] = []  # (len(history), len(messages)) when each exchange began
-
+    try:
+        chat = Conversation(model, system=args.system)
+    except InputError as e:
+        raise CommandError(str(e)) from None
+    quant = ", quantized" if model.quantized else ""
+    err.write(f"kvcandle chat: {model.path.name} ({model.dtype}{quant}, {model.device}). /help for commands, /quit to leave.\n")
+    err.flush()
     for line in read_lines(inp, out):
-        if not line.strip():
+        text = line.strip()
+        if not text:
             continue
-        command = line.strip()
-        if command == "/undo":
-            if not turns:
-                out.write("(nothing to undo)\n")
-                continue
-            h, m = turns.pop()
-            del history[h:], messages[m:]
-            cache.crop(min(len(cache), h))
-            out.write(f"(undone: cache back to {len(cache)} positions)\n")
-            continue
-        if command == "/reset":
-            messages, history, turns = list(base), [], []
-            cache.reset()
-            out.write("(conversation reset)\n")
-            continue
-        if command == "/stats":
-            boundaries = ", ".join(str(h) for h, _ in turns) or "none"
-            out.write(f"(cache {len(cache)}/{cache.max_length} positions, {cache.nbytes} bytes, turns start at: {boundaries})\n")
-            continue
-        if command.startswith("/"):
-            out.write(f"(unknown command {command!r}: /undo, /reset, /stats)\n")
+        if text.startswith("/"):
+            command, _, arg = text.partition(" ")
+            arg = arg.strip()
+            if command in ("/quit", "/exit"):
+                break
+            if command == "/help":
+                out.write(CHAT_HELP + "\n")
+            elif command == "/undo":
+                out.write(f"(undone: cache back to {len(chat.cache)} positions)\n" if chat.undo() else "(nothing to undo)\n")
+            elif command == "/reset":
+                chat.reset()
+                out.write("(conversation reset)\n")
+            elif command == "/stats":
+                starts = ", ".join(map(str, chat.turn_starts())) or "none"
+                c = chat.cache
+                out.write(f"(cache {len(c)}/{c.max_length} positions, {human_bytes(c.nbytes)}, turns start at: {starts})\n")
+            elif command in ("/save", "/load") and not arg:
+                out.write(f"({command} needs a file name: {command} NAME)\n")
+            elif command == "/save":
+                try:
+                    chat.save(arg)
+                    out.write(f"(saved {chat.turns} turns, {len(chat.cache)} positions to {arg})\n")
+                except KVCandleError as e:
+                    out.write(f"(not saved: {e})\n")
+            elif command == "/load":
+                try:
+                    chat = Conversation.load(arg, model)
+                    out.write(f"(loaded {chat.turns} turns, {len(chat.cache)} positions from {arg})\n")
+                except KVCandleError as e:
+                    out.write(f"(not loaded: {e})\n")
+            else:
+                out.write(f"(unknown command {command!r}; /help lists them)\n")
+            out.flush()
             continue
 
-        turns.append((len(history), len(messages)))
-        messages.append({"role": "user", "content": line})
-        rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
-        said = tok.decode(history)
-        if history and rendered.startswith(said):
-            ids = history + tok.encode(rendered[len(said):], add_special_tokens=False)
-        else:
-            ids = tok.encode(rendered, add_special_tokens=False)
-        reply: list[int] = []
+        pieces = chat.stream(text, max_tokens=args.max_tokens, temperature=args.temperature)
         try:
-            for piece in stream_generate(model, ids, max_tokens=args.max_tokens, cache=cache, temperature=args.temperature):
+            for piece in pieces:
                 out.write(piece.text)
                 out.flush()
-                reply.extend(piece.tokens)
         except KeyboardInterrupt:
             out.write(" (interrupted)")
+        finally:
+            pieces.close()  # records the reply so far
         out.write("\n")
         out.flush()
-        history = ids + reply + ([eos] if eos is not None else [])
-        messages.append({"role": "assistant", "content": tok.decode(reply)})
     return 0
 
 
@@ -210,8 +246,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--prompt-cache", metavar="DIR", default=None, help="reuse the longest saved prefix of the prompt from DIR, and save this run's cache there")
+    g.add_argument("--prompt-cache-bytes", type=int, default=1 << 30, help="the most bytes of caches DIR keeps (default 1 GiB)")
 
-    c = sub.add_parser("chat", help="chat, keeping one KV cache across turns (/undo, /reset, /stats)")
+    c = sub.add_parser("chat", help="chat, keeping one KV cache across turns (/help lists the commands)")
     c.add_argument("--model", default=None, help=model_help)
     c.add_argument("--quantized", action="store_true", help=quantized_help)
     c.add_argument("--system", default=None, help="system prompt")
