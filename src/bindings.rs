@@ -428,6 +428,11 @@ impl UpstreamModel {
         self.inner.vocab_size()
     }
 
+    #[getter]
+    fn max_length(&self) -> usize {
+        self.inner.max_length()
+    }
+
     fn new_cache(&self, py: Python<'_>, use_kv_cache: bool) -> PyResult<UpstreamKVCache> {
         Ok(UpstreamKVCache { inner: no_panic(|| self.inner.new_cache(use_kv_cache)).py_err(py)? })
     }

@@ -49,6 +49,11 @@ impl UpstreamLlama {
         self.config.vocab_size
     }
 
+    /// The context length: candle's RoPE tables end there.
+    pub fn max_length(&self) -> usize {
+        self.config.max_position_embeddings
+    }
+
     /// `Cache::new(use_kv_cache, dtype, config, device)`. candle's cache precomputes RoPE
     /// tables (float32 cos and sin) for every position up to the context length; a file
     /// whose context length would make them larger than its weights is refused rather

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Generator, Optional, Sequence, Union
 
 from .cache import KVCache
 from .errors import CacheFileError, InputError
@@ -101,7 +101,7 @@ class Conversation:
             return self._history + tok.encode(rendered[len(said):], add_special_tokens=False)
         return tok.encode(rendered, add_special_tokens=False)
 
-    def stream(self, text: str, *, max_tokens: int = 256, **sampling: Any) -> Iterator[Piece]:
+    def stream(self, text: str, *, max_tokens: int = 256, **sampling: Any) -> Generator[Piece, None, None]:
         """Sends ``text`` as the user and yields the reply piece by piece (as
         :func:`kvcandle.stream_generate`; ``sampling``: temperature, top_k, top_p,
         repetition_penalty, seed, stop). The exchange is recorded when the stream ends,
@@ -117,7 +117,7 @@ class Conversation:
             raise InputError(f"text must be a non-empty message, got {text!r}")
         return self._exchange(text, max_tokens, sampling)
 
-    def _exchange(self, text: str, max_tokens: int, sampling: dict[str, Any]) -> Iterator[Piece]:
+    def _exchange(self, text: str, max_tokens: int, sampling: dict[str, Any]) -> Generator[Piece, None, None]:
         ids = self._prompt(text)
         pieces = stream_generate(self._model, ids, max_tokens=max_tokens, cache=self._cache, stats=sampling.pop("stats", None), **sampling)
         reply: list[int] = []
