@@ -2282,6 +2282,7 @@ fn error_kind(e: &Error) -> &'static str {
         Error::TokenId { .. } => "TokenId",
         Error::Input(_) => "Input",
         Error::Cache(_) => "Cache",
+        Error::CacheFile { .. } => "CacheFile",
         Error::Engine(_) => "Engine",
     }
 }

@@ -4,6 +4,10 @@
 //! token ids (`tokens`, u32); the metadata names the format, its version and the cache's
 //! dtype, beside what the caller adds (the model's fingerprint).
 //!
+//! The metadata also holds a checksum of every tensor's bytes, so a file damaged where
+//! the keys and values are (which would still parse) is refused rather than loaded as
+//! different numbers.
+//!
 //! A save writes a temporary file in the same directory, flushes it to disk and renames
 //! it over the target, so an interrupted save leaves the earlier file as it was. A load
 //! reads the file once (memory: the file's size, then the cache), checks every size in
@@ -63,6 +67,7 @@ pub fn save(cache: &KvCache, path: &Path, metadata: &HashMap<String, String>) ->
     for (name, bytes, shape, dtype) in &raw {
         views.push((name.clone(), TensorView::new(*dtype, shape.clone(), bytes).map_err(fail)?));
     }
+    meta.insert("checksum".into(), checksum(views.iter().map(|(n, v)| (n.as_str(), v.data()))));
     let bytes = safetensors::tensor::serialize(views, Some(meta)).map_err(fail)?;
     write_atomically(path, &bytes)
 }
@@ -173,6 +178,11 @@ pub fn load(path: &Path, model: &Llama, expected: &HashMap<String, String>) -> R
         let missing: Vec<&String> = names.iter().filter(|f| !found.contains(f)).collect();
         return Err(bad(format!("tensors do not match a {n}-position cache of {} layers: missing {missing:?}, unexpected {extra:?}", layout.num_layers)));
     }
+    // every name, dtype and size is as expected: now whether the bytes are the saved ones
+    let stored = file.tensors();
+    if get("checksum") != Some(checksum(stored.iter().map(|(n, v)| (n.as_str(), v.data()))).as_str()) {
+        return Err(bad("the checksum does not match the data: the file is damaged".into()));
+    }
     let shape = [1, layout.kv_heads, n, layout.head_dim];
     let want = st_dtype(layout.dtype);
     let mut loaded = Vec::with_capacity(2 * layers);
@@ -193,8 +203,143 @@ pub fn load(path: &Path, model: &Llama, expected: &HashMap<String, String>) -> R
     Ok((cache, meta))
 }
 
+/// A 64-bit checksum of named byte strings, independent of their order: each string is
+/// hashed (four lanes of 8-byte words, multiply and rotate, then mixed with its length
+/// and name) and the hashes are added. It detects damage, not tampering.
+fn checksum<'a>(parts: impl Iterator<Item = (&'a str, &'a [u8])>) -> String {
+    fn hash(bytes: &[u8], seed: u64) -> u64 {
+        const K: [u64; 4] = [0x9E37_79B9_7F4A_7C15, 0xC2B2_AE3D_27D4_EB4F, 0x1656_67B1_9E37_79F9, 0x85EB_CA77_C2B2_AE63];
+        let mut lanes = [seed, seed ^ K[0], seed ^ K[1], seed ^ K[2]];
+        let words = bytes.chunks_exact(32);
+        let tail = words.remainder();
+        for block in words {
+            for (l, w) in lanes.iter_mut().zip(block.chunks_exact(8)) {
+                let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+                *l = (*l ^ w).wrapping_mul(K[3]).rotate_left(29);
+            }
+        }
+        let mut h = bytes.len() as u64;
+        for (i, l) in lanes.iter().enumerate() {
+            h = (h ^ l.wrapping_mul(K[i])).rotate_left(31).wrapping_mul(K[(i + 1) % 4]);
+        }
+        for &b in tail {
+            h = (h ^ b as u64).wrapping_mul(K[0]).rotate_left(23);
+        }
+        h ^= h >> 33;
+        h = h.wrapping_mul(K[1]);
+        h ^ (h >> 29)
+    }
+    let sum = parts.fold(0u64, |acc, (name, data)| acc.wrapping_add(hash(data, hash(name.as_bytes(), 0))));
+    format!("{sum:016x}")
+}
+
 /// A metadata value quoted for a message, shortened when long.
 fn show(v: &str) -> String {
     let s: String = v.chars().take(120).collect();
     format!("{:?}{}", crate::error::one_line(&s), if v.chars().count() > 120 { "..." } else { "" })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+    use crate::loader::{tensor_table, Weights};
+    use candle_core::Device;
+
+    fn tiny() -> Llama {
+        let config = ModelConfig {
+            vocab_size: 50,
+            hidden_size: 16,
+            intermediate_size: 24,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 4,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-5,
+            max_position_embeddings: 32,
+            tie_word_embeddings: true,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+            rope_scaling: None,
+        };
+        let tensors = tensor_table(&config)
+            .into_iter()
+            .map(|s| (s.name, Tensor::randn(0f32, 0.5, s.shape, &Device::Cpu).expect("random tensor")))
+            .collect();
+        let w = Weights {
+            config,
+            tensors,
+            qtensors: HashMap::new(),
+            metadata: HashMap::new(),
+            source: PathBuf::from("tiny"),
+            format: "safetensors",
+        };
+        Llama::new(&w).expect("tiny model")
+    }
+
+    fn rng(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    #[test]
+    fn round_trip_and_mutated_files_fail_cleanly() {
+        let model = tiny();
+        let mut cache = model.new_cache();
+        model.forward(&[3, 1, 4, 1, 5, 9], &mut cache, false).expect("forward");
+        let dir = std::env::temp_dir().join(format!("kvcandle-cache-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let good = dir.join("good");
+        let expected: HashMap<String, String> = [("model.weights".to_string(), "abc".to_string())].into();
+        save(&cache, &good, &expected).expect("save");
+        let (back, meta) = load(&good, &model, &expected).expect("load");
+        assert_eq!(back.tokens(), cache.tokens());
+        assert_eq!(meta.get("format").map(String::as_str), Some(FORMAT));
+        for layer in 0..2 {
+            for values in [false, true] {
+                let (a, b) = (cache.layer_tensor(layer, values).expect("a"), back.layer_tensor(layer, values).expect("b"));
+                let (a, b) = (a.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("a"), b.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("b"));
+                assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+            }
+        }
+
+        // every mutant loads or is refused with a cache error; none panics
+        let bytes = std::fs::read(&good).expect("read");
+        let header = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+        let bad = dir.join("bad");
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut refused = 0;
+        for case in 0..3000 {
+            let mut b = bytes.clone();
+            match case % 4 {
+                0 => b.truncate((rng(&mut state) as usize) % b.len()),
+                1 => {
+                    // a bit flip inside the header (sizes, offsets, names, metadata)
+                    let at = 8 + (rng(&mut state) as usize) % header;
+                    b[at] ^= 1 << (rng(&mut state) % 8);
+                }
+                2 => {
+                    let v = [0u64, 1, header as u64 - 1, header as u64 + 1, u64::MAX, rng(&mut state)][case / 4 % 6];
+                    b[..8].copy_from_slice(&v.to_le_bytes());
+                }
+                _ => {
+                    let at = (rng(&mut state) as usize) % b.len();
+                    b[at] = rng(&mut state) as u8;
+                }
+            }
+            std::fs::write(&bad, &b).expect("write");
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| load(&bad, &model, &expected))) {
+                Ok(Ok((c, _))) => assert!(c.len() <= 32 && c.tokens().iter().all(|&t| t < 50)),
+                Ok(Err(Error::CacheFile { .. } | Error::Cache(_))) => refused += 1,
+                Ok(Err(e)) => panic!("case {case}: an untyped error {e}"),
+                Err(_) => panic!("case {case}: load panicked"),
+            }
+        }
+        // with the checksum, every mutant that still parses but changed a byte is refused
+        assert!(refused > 2900, "only {refused} of 3000 mutants refused");
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

@@ -121,6 +121,8 @@ DAMAGE = {
     "offsets lie": lambda d: _with_header(d, _grow_offsets),
     "no metadata": lambda d: _with_header(d, lambda h: h.pop("__metadata__")),
     "tensor missing": lambda d: _with_header(d, lambda h: h.pop("layers.1.values")),
+    "a value flipped": lambda d: d[:-5] + bytes([d[-5] ^ 0x10]) + d[-4:],
+    "checksum edited": lambda d: _with_header(d, _set_meta("checksum", "0" * 16)),
 }
 
 
