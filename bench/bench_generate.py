@@ -6,6 +6,8 @@ default model, on this machine, in one run.
 Engines (each skipped, with the reason printed, when its package is missing):
   kvcandle f32            the GGUF dequantized to float32, kvcandle's own engine
   kvcandle Q4_1           kvcandle.load(quantized=True): the file's blocks, int8 activations
+  ..., f16 cache          the same with model.new_cache(dtype="float16"): keys and values
+                          stored as float16 (llama.cpp's default), half the bytes per step
   candle upstream         candle-transformers' Llama + Cache as shipped (float32)
   transformers            eager float32 (torch), a plain loop over past_key_values
   llama.cpp f32 / Q4_1    llama-cpp-python; the f32 GGUF is written by this script from the
@@ -105,10 +107,11 @@ class Engine:
 
 
 class Kvcandle(Engine):
-    def __init__(self, quantized: bool) -> None:
-        self.name = "kvcandle Q4_1" if quantized else "kvcandle f32"
+    def __init__(self, quantized: bool, cache_dtype: Optional[str] = None) -> None:
+        self.name = ("kvcandle Q4_1" if quantized else "kvcandle f32") + (", f16 cache" if cache_dtype == "float16" else "")
         self.model = kvcandle.load(quantized=quantized)
-        self.cache = self.model.new_cache()
+        self.cache_dtype = cache_dtype
+        self.cache = self.model.new_cache(dtype=cache_dtype)
         self.length = 0
 
     def start(self, ids: list[int]) -> int:
@@ -125,7 +128,7 @@ class Kvcandle(Engine):
         self.cache.crop(self.length)
 
     def uncached_step(self, ids: list[int]) -> int:
-        return int(self.model.forward(ids, self.model.new_cache()).argmax())
+        return int(self.model.forward(ids, self.model.new_cache(dtype=self.cache_dtype)).argmax())
 
 
 class Upstream(Engine):
@@ -291,6 +294,8 @@ def main() -> None:
     makers: list[tuple[str, Callable[[], Engine]]] = [
         ("kvcandle f32", lambda: Kvcandle(False)),
         ("kvcandle Q4_1", lambda: Kvcandle(True)),
+        ("kvcandle f32, f16 cache", lambda: Kvcandle(False, "float16")),
+        ("kvcandle Q4_1, f16 cache", lambda: Kvcandle(True, "float16")),
         ("candle upstream", Upstream),
         ("transformers", lambda: Transformers(threads)),
     ]
@@ -365,13 +370,13 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{v:.2f}" if i == 0 else f"{v:.1f}" for i, v in enumerate(row)) + " |")
 
     print(f"\nmedians of {args.rounds} rounds, engines in turns, {args.steps} decode steps per round")
-    for ours in ("kvcandle f32", "kvcandle Q4_1"):
+    for ours in ("kvcandle f32", "kvcandle Q4_1", "kvcandle f32, f16 cache", "kvcandle Q4_1, f16 cache"):
         if ours not in table:
             continue
         print(f"\n{ours}:")
         d5 = table[ours][4]
         print("  decode vs its own 5-token context: " + ", ".join(f"@{n} {table[ours][4 + i] / d5:.2f}" for i, n in enumerate(contexts)))
-        if ours == "kvcandle f32":
+        if ours.startswith("kvcandle f32"):
             print(f"  decode @5 is {d5 * f32_bytes / (rate * 1e9):.0%} of the memory-read ceiling")
         for other in names:
             if other.startswith("kvcandle"):

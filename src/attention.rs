@@ -22,6 +22,9 @@
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
+use half::slice::HalfFloatSliceExt;
+use half::f16;
+
 use crate::matvec::kernel;
 use crate::team::{Shards, Team};
 
@@ -38,6 +41,66 @@ pub struct LayerKv<'a> {
     pub capacity: usize,
     pub len: usize,
     pub head_dim: usize,
+}
+
+/// The same for a cache that stores keys and values as float16 (half the bytes to read per
+/// step): each task widens its chunk to float32 in a buffer of its thread (in the core's
+/// cache) and runs the float32 kernels on it.
+pub struct LayerKvHalf<'a> {
+    pub keys: &'a [f16],
+    pub values: &'a [f16],
+    pub kv_heads: usize,
+    pub capacity: usize,
+    pub len: usize,
+    pub head_dim: usize,
+}
+
+thread_local! {
+    /// Each thread's float32 copies of a float16 chunk: (keys, values).
+    static WIDE: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// float16 to float32 (the `half` crate's slice conversion: F16C instructions where the
+/// CPU has them, chosen at run time).
+fn widen(src: &[f16], dst: &mut Vec<f32>) {
+    dst.resize(src.len(), 0.0);
+    src.convert_to_f32_slice(dst);
+}
+
+/// [`decode_attention`] over a float16 cache.
+pub fn decode_attention_half(q: &[f32], kv: &LayerKvHalf<'_>) -> Vec<f32> {
+    let d = kv.head_dim;
+    let n_rep = q.len() / d / kv.kv_heads;
+    merge_tasks(q, kv.kv_heads, kv.len, d, &|h, positions| {
+        WIDE.with(|w| {
+            let (keys, values) = &mut *w.borrow_mut();
+            let first = (h * kv.capacity + positions.start) * d;
+            let n = positions.len();
+            widen(&kv.keys[first..first + n * d], keys);
+            widen(&kv.values[first..first + n * d], values);
+            let wide = LayerKv { keys, values, kv_heads: 1, capacity: n, len: n, head_dim: d };
+            chunk(&q[h * n_rep * d..(h + 1) * n_rep * d], &wide, 0, 0..n)
+        })
+    })
+}
+
+/// [`prefill_attention`] over a float16 cache: the positions the chunk sees are widened
+/// to float32 once per layer (one task per KV head), then attended as float32.
+pub fn prefill_attention_half(q: &[f32], seq: usize, kv: &LayerKvHalf<'_>) -> Vec<f32> {
+    let (d, len) = (kv.head_dim, kv.len);
+    let mut keys = vec![0f32; kv.kv_heads * len * d];
+    let mut values = vec![0f32; kv.kv_heads * len * d];
+    {
+        let (ks, vs) = (Shards::new(&mut keys), Shards::new(&mut values));
+        Team::global().run(kv.kv_heads, &|h| {
+            let src = h * kv.capacity * d..(h * kv.capacity + len) * d;
+            // SAFETY: each task writes its own head's rows
+            let (kd, vd) = unsafe { (ks.part(h * len * d..(h + 1) * len * d), vs.part(h * len * d..(h + 1) * len * d)) };
+            kv.keys[src.clone()].convert_to_f32_slice(kd);
+            kv.values[src].convert_to_f32_slice(vd);
+        });
+    }
+    prefill_attention(q, seq, &LayerKv { keys: &keys, values: &values, kv_heads: kv.kv_heads, capacity: len, len, head_dim: d })
 }
 
 /// What one task found for one query head over its chunk of positions.
@@ -59,18 +122,27 @@ type ChunkFn = fn(&[f32], &LayerKv<'_>, usize, std::ops::Range<usize>) -> Vec<Pa
 /// [`decode_attention`] with a given chunk kernel (each instruction-set version is tested).
 fn attend_with(q: &[f32], kv: &LayerKv<'_>, chunk: ChunkFn) -> Vec<f32> {
     let d = kv.head_dim;
+    let n_rep = q.len() / d / kv.kv_heads;
+    merge_tasks(q, kv.kv_heads, kv.len, d, &|h, positions| chunk(&q[h * n_rep * d..(h + 1) * n_rep * d], kv, h, positions))
+}
+
+type TaskFn<'a> = dyn Fn(usize, std::ops::Range<usize>) -> Vec<Partial> + Sync + 'a;
+
+/// Runs `task(kv head, positions)` for every chunk of every KV head on the team and merges
+/// each query head's chunks as an online softmax does. Returns (heads, head_dim).
+fn merge_tasks(q: &[f32], kv_heads: usize, len: usize, d: usize, task: &TaskFn<'_>) -> Vec<f32> {
     let heads = q.len() / d;
-    let n_rep = heads / kv.kv_heads;
-    let chunks = kv.len.div_ceil(CHUNK).max(1);
-    let tasks: Vec<OnceLock<Vec<Partial>>> = (0..kv.kv_heads * chunks).map(|_| OnceLock::new()).collect();
+    let n_rep = heads / kv_heads;
+    let chunks = len.div_ceil(CHUNK).max(1);
+    let tasks: Vec<OnceLock<Vec<Partial>>> = (0..kv_heads * chunks).map(|_| OnceLock::new()).collect();
     Team::global().run(tasks.len(), &|t| {
         let (h, c) = (t / chunks, t % chunks);
-        let positions = c * CHUNK..((c + 1) * CHUNK).min(kv.len);
-        let _ = tasks[t].set(chunk(&q[h * n_rep * d..(h + 1) * n_rep * d], kv, h, positions));
+        let positions = c * CHUNK..((c + 1) * CHUNK).min(len);
+        let _ = tasks[t].set(task(h, positions));
     });
     let tasks: Vec<Vec<Partial>> = tasks.into_iter().map(|t| t.into_inner().expect("every task ran")).collect();
     let mut out = vec![0.0f32; heads * d];
-    for h in 0..kv.kv_heads {
+    for h in 0..kv_heads {
         for r in 0..n_rep {
             let parts = (0..chunks).map(|c| &tasks[h * chunks + c][r]);
             let max = parts.clone().fold(f32::NEG_INFINITY, |m, p| m.max(p.max));
@@ -488,6 +560,41 @@ mod tests {
                 let row = &got[i * heads * d..][..heads * d];
                 let err = row.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
                 assert!(err < 1e-5, "case {case}, position {i}: max error {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn half_caches_match_float64_attention_over_their_rounded_values() {
+        // the kernels over float16 keys and values, against float64 attention over the same
+        // (rounded) numbers: what is left is float32 rounding, as for a float32 cache
+        for (case, &(kv_heads, n_rep, d, len, capacity, seq)) in
+            [(3, 3, 64, 2 * CHUNK + 37, 700, 40), (2, 4, 32, 100, 128, 1), (1, 5, 12, 5, 5, 5)].iter().enumerate()
+        {
+            let round = |v: Vec<f32>| -> (Vec<f16>, Vec<f32>) {
+                let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+                let f = h.iter().map(|x| x.to_f32()).collect();
+                (h, f)
+            };
+            let (k16, k32) = round(random(kv_heads * capacity * d, 20 + case as u64));
+            let (v16, v32) = round(random(kv_heads * capacity * d, 120 + case as u64));
+            let heads = kv_heads * n_rep;
+            let q: Vec<f32> = random(heads * d, 220 + case as u64).iter().map(|x| 4.0 * x).collect();
+            let half = LayerKvHalf { keys: &k16, values: &v16, kv_heads, capacity, len, head_dim: d };
+            let wide = LayerKv { keys: &k32, values: &v32, kv_heads, capacity, len, head_dim: d };
+            let want = reference(&q, &wide);
+            let got = decode_attention_half(&q, &half);
+            let err = got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
+            assert!(err < 1e-5, "decode case {case}: max error {err}");
+            // prefill: the last `seq` positions, each over the positions up to its own
+            let qs: Vec<f32> = random(heads * seq * d, 320 + case as u64).iter().map(|x| 4.0 * x).collect();
+            let got = prefill_attention_half(&qs, seq, &half);
+            let offset = len - seq;
+            for i in 0..seq {
+                let qi: Vec<f32> = (0..heads).flat_map(|hh| qs[(hh * seq + i) * d..][..d].to_vec()).collect();
+                let want = reference(&qi, &LayerKv { len: offset + i + 1, ..wide });
+                let err = got[i * heads * d..][..heads * d].iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
+                assert!(err < 1e-5, "prefill case {case}, position {i}: max error {err}");
             }
         }
     }

@@ -244,8 +244,18 @@ impl Model {
         Ok(d)
     }
 
-    fn new_cache(&self) -> KVCache {
-        KVCache { inner: self.inner.new_cache() }
+    /// An empty cache; `dtype` (a name) stores its keys and values in another type than
+    /// the model's (float16 for a float32 CPU model).
+    #[pyo3(signature = (dtype=None))]
+    fn new_cache(&self, py: Python<'_>, dtype: Option<&str>) -> PyResult<KVCache> {
+        let inner = match dtype {
+            None => self.inner.new_cache(),
+            Some(name) => {
+                let dt = parse_dtype(name, self.inner.device()).py_err(py)?;
+                self.inner.new_cache_with(dt).py_err(py)?
+            }
+        };
+        Ok(KVCache { inner })
     }
 
     /// Runs `ids` after the cache's tokens, appends them, returns float32 logits.
@@ -337,6 +347,12 @@ impl KVCache {
     #[getter]
     fn capacity(slf: &Bound<'_, Self>) -> PyResult<usize> {
         Ok(read(slf)?.inner.capacity())
+    }
+
+    /// The type keys and values are stored in ("float32", "float16", ...).
+    #[getter]
+    fn dtype(slf: &Bound<'_, Self>) -> PyResult<&'static str> {
+        Ok(dtype_name(read(slf)?.inner.layout().dtype))
     }
 
     #[getter]

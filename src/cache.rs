@@ -13,9 +13,17 @@
 
 use std::sync::{Arc, Mutex};
 
+use half::slice::HalfFloatSliceExt;
+
 use candle_core::{DType, Device, Storage, Tensor};
 
-use crate::attention::{decode_attention, prefill_attention, LayerKv};
+use crate::attention::{decode_attention, decode_attention_half, prefill_attention, prefill_attention_half, LayerKv, LayerKvHalf};
+
+/// One layer's cached keys and values read in place, by storage type.
+enum Kv<'a> {
+    F32(&'a LayerKv<'a>),
+    F16(&'a LayerKvHalf<'a>),
+}
 
 use crate::error::{Error, Result};
 
@@ -206,14 +214,15 @@ impl KvCache {
     /// of the cache. Positions must have been reserved.
     pub(crate) fn write(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         let store = self.store.as_ref().expect("reserve() runs before write()");
-        store.keys[layer].slice_set(k, 2, self.len())?;
-        store.values[layer].slice_set(v, 2, self.len())?;
+        let dtype = self.layout.dtype;
+        store.keys[layer].slice_set(&k.to_dtype(dtype)?, 2, self.len())?;
+        store.values[layer].slice_set(&v.to_dtype(dtype)?, 2, self.len())?;
         Ok(())
     }
 
     /// Writes one new position's keys and values (kv_heads * head_dim floats each) of
     /// `layer` at the end of the cache, in place. Positions must have been reserved; the
-    /// cache must be float32 in CPU memory.
+    /// cache must be float32 or float16 in CPU memory.
     pub(crate) fn write_one(&self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
         let store = self.store.as_ref().expect("reserve() runs before write_one()");
         let (heads, d) = (self.layout.kv_heads, self.layout.head_dim);
@@ -235,7 +244,10 @@ impl KvCache {
     /// `len` positions, read in place from the buffers ([`crate::attention`]). None when
     /// the cache is not float32 in CPU memory (the caller then uses candle's ops).
     pub(crate) fn attend_one(&self, layer: usize, q: &[f32], len: usize) -> Result<Option<Vec<f32>>> {
-        self.with_layer(layer, len, |kv| decode_attention(q, kv))
+        self.with_layer(layer, len, |kv| match kv {
+            Kv::F32(kv) => decode_attention(q, kv),
+            Kv::F16(kv) => decode_attention_half(q, kv),
+        })
     }
 
     /// Causal attention of `seq` new positions' queries `q` (heads, seq, head_dim), the
@@ -243,28 +255,42 @@ impl KvCache {
     /// heads * head_dim) ([`crate::attention::prefill_attention`]). None when the cache is
     /// not float32 in CPU memory.
     pub(crate) fn attend_causal(&self, layer: usize, q: &[f32], seq: usize, len: usize) -> Result<Option<Vec<f32>>> {
-        self.with_layer(layer, len, |kv| prefill_attention(q, seq, kv))
+        self.with_layer(layer, len, |kv| match kv {
+            Kv::F32(kv) => prefill_attention(q, seq, kv),
+            Kv::F16(kv) => prefill_attention_half(q, seq, kv),
+        })
     }
 
     /// Runs `f` over `layer`'s first `len` positions read in place; None when the cache is
-    /// not float32 in CPU memory.
-    fn with_layer<R>(&self, layer: usize, len: usize, f: impl FnOnce(&LayerKv<'_>) -> R) -> Result<Option<R>> {
+    /// not float32 or float16 in CPU memory.
+    fn with_layer<R>(&self, layer: usize, len: usize, f: impl FnOnce(Kv<'_>) -> R) -> Result<Option<R>> {
         let store = self.store.as_ref().ok_or_else(|| Error::Cache("the cache has no storage yet".into()))?;
-        if self.layout.dtype != DType::F32 || !self.layout.device.is_cpu() {
+        if !self.layout.device.is_cpu() {
             return Ok(None);
         }
         let (ks, kl) = store.keys[layer].storage_and_layout();
         let (vs, vl) = store.values[layer].storage_and_layout();
         let (Storage::Cpu(k), Storage::Cpu(v)) = (&*ks, &*vs) else { return Ok(None) };
-        let kv = LayerKv {
-            keys: &k.as_slice::<f32>()?[kl.start_offset()..],
-            values: &v.as_slice::<f32>()?[vl.start_offset()..],
-            kv_heads: self.layout.kv_heads,
-            capacity: store.capacity,
-            len,
-            head_dim: self.layout.head_dim,
-        };
-        Ok(Some(f(&kv)))
+        let (kv_heads, capacity, head_dim) = (self.layout.kv_heads, store.capacity, self.layout.head_dim);
+        Ok(match self.layout.dtype {
+            DType::F32 => Some(f(Kv::F32(&LayerKv {
+                keys: &k.as_slice::<f32>()?[kl.start_offset()..],
+                values: &v.as_slice::<f32>()?[vl.start_offset()..],
+                kv_heads,
+                capacity,
+                len,
+                head_dim,
+            }))),
+            DType::F16 => Some(f(Kv::F16(&LayerKvHalf {
+                keys: &k.as_slice::<half::f16>()?[kl.start_offset()..],
+                values: &v.as_slice::<half::f16>()?[vl.start_offset()..],
+                kv_heads,
+                capacity,
+                len,
+                head_dim,
+            }))),
+            _ => None,
+        })
     }
 
     /// Records the ids whose keys and values were just written.
@@ -289,7 +315,8 @@ impl KvCache {
     }
 }
 
-/// Copies one position's heads into a (1, heads, capacity, head_dim) float32 buffer.
+/// Copies one position's heads into a (1, heads, capacity, head_dim) float32 or float16
+/// buffer.
 struct WritePosition<'a> {
     data: &'a [f32],
     pos: usize,
@@ -304,7 +331,6 @@ impl candle_core::InplaceOp1 for WritePosition<'_> {
     }
 
     fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<()> {
-        let candle_core::CpuStorage::F32(buf) = storage else { candle_core::bail!("the cache is not float32") };
         let d = self.head_dim;
         if self.data.len() != self.heads * d || self.pos >= self.capacity || layout.dims() != [1, self.heads, self.capacity, d] {
             candle_core::bail!("cache write of {} floats at position {} does not fit {:?}", self.data.len(), self.pos, layout.dims());
@@ -312,7 +338,12 @@ impl candle_core::InplaceOp1 for WritePosition<'_> {
         let start = layout.start_offset();
         for (h, src) in self.data.chunks_exact(d).enumerate() {
             let at = start + (h * self.capacity + self.pos) * d;
-            buf[at..at + d].copy_from_slice(src);
+            match storage {
+                candle_core::CpuStorage::F32(buf) => buf[at..at + d].copy_from_slice(src),
+                // rounded to nearest, as candle's to_dtype(F16) rounds a prefill's keys
+                candle_core::CpuStorage::F16(buf) => buf[at..at + d].convert_from_f32_slice(src),
+                _ => candle_core::bail!("the cache is neither float32 nor float16"),
+            }
         }
         Ok(())
     }

@@ -149,11 +149,14 @@ pub fn load(path: &Path, model: &Llama, expected: &HashMap<String, String>) -> R
         return Err(Error::Cache(format!("{} was saved from another model: {}", path.display(), differences.join("; "))));
     }
 
-    let mut cache = model.new_cache();
+    let dtype = match get("dtype") {
+        Some("f32") => candle_core::DType::F32,
+        Some("f16") => candle_core::DType::F16,
+        Some("bf16") => candle_core::DType::BF16,
+        other => return Err(bad(format!("the cache's dtype {:?} is not f32, f16 or bf16", other.unwrap_or("missing")))),
+    };
+    let mut cache = model.new_cache_with(dtype).map_err(|e| bad(e.to_string()))?;
     let layout = cache.layout().clone();
-    if get("dtype") != Some(layout.dtype.as_str()) {
-        return Err(bad(format!("the cache's dtype is {:?}, the model's {}", get("dtype").unwrap_or("missing"), layout.dtype.as_str())));
-    }
     let tokens = file.tensor(TOKENS).map_err(|_| bad("no tokens tensor".into()))?;
     if tokens.dtype() != Dtype::U32 || tokens.shape().len() != 1 {
         return Err(bad(format!("tokens is {:?} {:?}, expected a 1-D U32 tensor", tokens.dtype(), tokens.shape())));

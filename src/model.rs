@@ -129,7 +129,29 @@ impl Llama {
         &self.device
     }
 
+    /// An empty cache storing keys and values in the model's dtype.
     pub fn new_cache(&self) -> KvCache {
+        self.cache_of(self.dtype)
+    }
+
+    /// An empty cache storing keys and values as `dtype`: the model's own, or float16 for
+    /// a float32 model in CPU memory (half the bytes read per decode step; attention
+    /// still computes in float32, from keys and values rounded to float16).
+    pub fn new_cache_with(&self, dtype: DType) -> Result<KvCache> {
+        if dtype == self.dtype || (dtype == DType::F16 && self.decode) {
+            return Ok(self.cache_of(dtype));
+        }
+        Err(Error::DType(format!(
+            "a cache of {} does not fit this {} model on {}: its cache stores {}{}",
+            crate::device::dtype_name(dtype),
+            crate::device::dtype_name(self.dtype),
+            if self.device.is_cpu() { "cpu" } else { "this device" },
+            crate::device::dtype_name(self.dtype),
+            if self.decode { " or float16" } else { "" }
+        )))
+    }
+
+    fn cache_of(&self, dtype: DType) -> KvCache {
         KvCache::new(
             self.id,
             CacheLayout {
@@ -137,7 +159,7 @@ impl Llama {
                 kv_heads: self.config.num_key_value_heads,
                 head_dim: self.config.head_dim,
                 max_len: self.config.max_position_embeddings,
-                dtype: self.dtype,
+                dtype,
                 device: self.device.clone(),
             },
         )

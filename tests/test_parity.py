@@ -130,3 +130,17 @@ def test_chat_template_equals_transformers(default_model, ref):
             theirs = ref.tokenizer.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
             assert ours == theirs
             assert default_model.tokenizer.encode(ours) == ref.tokenizer.encode(theirs)
+
+
+def test_float16_cache_within_its_bound(default_model, seq):
+    """A float16 cache (model.new_cache(dtype="float16")) rounds keys and values to 11
+    significant bits: its logits are held to their own bound against float64
+    (parity.HALF_CACHE_TOLERANCE, with the reason and the measured figures beside it)."""
+    rows = parity.half_cache(default_model, seq)
+    print(parity.TABLE_HEADER)
+    for r in rows:
+        print(r.line())
+    assert len(rows) == 3
+    for r in rows:
+        assert r.max_err <= parity.HALF_CACHE_TOLERANCE, r
+        assert r.top1 == r.clear and r.clear >= r.positions - 4, r

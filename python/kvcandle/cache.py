@@ -83,6 +83,12 @@ class KVCache:
         return len(self._inner)
 
     @property
+    def dtype(self) -> str:
+        """How keys and values are stored: the model's dtype, or ``"float16"`` for a cache
+        made with ``model.new_cache(dtype="float16")``."""
+        return self._inner.dtype
+
+    @property
     def max_length(self) -> int:
         """The model's context length: the cache never holds more positions."""
         return self._inner.max_length
@@ -184,7 +190,7 @@ class KVCache:
         self._inner.save(os.fspath(path), {**extra, **self._model.fingerprint})
 
     def __repr__(self) -> str:
-        return f"KVCache(len={len(self)}, max_length={self.max_length}, layers={len(self.layers)})"
+        return f"KVCache(len={len(self)}, max_length={self.max_length}, layers={len(self.layers)}, dtype={self.dtype!r})"
 
 
 def _as_int(value: object, name: str) -> int:

@@ -89,9 +89,23 @@ class Model:
     def num_parameters(self) -> int:
         return self._inner.num_parameters
 
-    def new_cache(self) -> KVCache:
-        """An empty cache for this model (storage is allocated on first use)."""
-        return KVCache(self._inner.new_cache(), self)
+    def new_cache(self, dtype: Optional[str] = None) -> KVCache:
+        """An empty cache for this model (storage is allocated on first use).
+
+        Args:
+            dtype: how keys and values are stored; ``None`` is the model's dtype. A
+                float32 model on the CPU also takes ``"float16"``: half the memory and
+                half the bytes a decode step reads from the cache (what llama.cpp stores
+                by default), attention still computed in float32 from the rounded keys
+                and values (about 3 significant digits each; see the README for what
+                that moves).
+
+        Raises:
+            DTypeError: the dtype is unknown or does not fit this model.
+        """
+        if dtype is not None and not isinstance(dtype, str):
+            raise TypeError(f"dtype must be a str or None, got {type(dtype).__name__}")
+        return KVCache(self._inner.new_cache(dtype), self)
 
     def forward(self, ids: Ids, cache: Optional[KVCache] = None, *, all_logits: bool = False) -> np.ndarray:
         """Runs ``ids`` after the tokens the cache holds and appends them to it.

@@ -39,7 +39,7 @@ impl Llama {
             cache.write_one(i, k, v)?;
             let y = cache
                 .attend_one(i, q, pos + 1)?
-                .ok_or_else(|| Error::Cache("the single-token step needs a float32 cache in CPU memory".into()))?;
+                .ok_or_else(|| Error::Cache("the single-token step needs a float32 or float16 cache in CPU memory".into()))?;
             let o = &layer.attn.o_proj;
             products(team, &view(o)?, &o.prepare(&y), &mut x, true);
             layer.post_attention_layernorm.apply(&x, &mut xn);
