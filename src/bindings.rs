@@ -136,8 +136,11 @@ fn id_list(ids: &Bound<'_, PyAny>, vocab: usize) -> PyResult<Vec<i64>> {
 #[pyclass(frozen, module = "kvcandle._core")]
 struct Model {
     inner: Arc<Llama>,
+    /// What is left of the loaded weights once the engine took the tensors: config,
+    /// metadata, source and format.
     weights: Arc<Weights>,
     device_name: String,
+    num_parameters: usize,
 }
 
 #[pymethods]
@@ -163,16 +166,19 @@ impl Model {
                 });
             }
         };
-        let (weights, model) = py
-            .detach(|| -> crate::Result<(Weights, Llama)> {
+        let (weights, model, num_parameters) = py
+            .detach(|| -> crate::Result<(Weights, Llama, usize)> {
                 no_panic(|| {
                     let w = loader::load_with_progress(&path, dt, &dev, quantized, &report)?;
-                    let m = Llama::new(&w)?;
-                    Ok((w, m))
+                    let n = parameters(&w);
+                    // the engine takes the tensors: stacked or repacked ones are released as
+                    // it goes, so one copy of the weights is held
+                    let (m, rest) = Llama::from_weights(w)?;
+                    Ok((rest, m, n))
                 })
             })
             .py_err(py)?;
-        Ok(Self { inner: Arc::new(model), weights: Arc::new(weights), device_name: device.to_string() })
+        Ok(Self { inner: Arc::new(model), weights: Arc::new(weights), device_name: device.to_string(), num_parameters })
     }
 
     /// The architecture numbers as a dict.
@@ -224,15 +230,13 @@ impl Model {
     /// Number of weights (tied embeddings counted once).
     #[getter]
     fn num_parameters(&self) -> usize {
-        let w = &self.weights;
-        let float: usize = w.tensors.values().map(|t| t.elem_count()).sum();
-        let quantized: usize = w
-            .qtensors
-            .iter()
-            .filter(|(name, _)| !w.tensors.contains_key(*name))
-            .map(|(_, q)| q.shape().elem_count())
-            .sum();
-        float + quantized
+        self.num_parameters
+    }
+
+    /// Bytes of the weights the engine holds.
+    #[getter]
+    fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes()
     }
 
     /// GGUF metadata (`general.*` and `tokenizer.*` keys); empty for safetensors.
@@ -294,8 +298,28 @@ impl Model {
 
     /// candle-transformers' own Llama built from the same weights (shared, not copied).
     fn upstream(&self, py: Python<'_>) -> PyResult<UpstreamModel> {
-        let weights = &self.weights;
-        let model = py.detach(|| no_panic(|| UpstreamLlama::new(weights))).py_err(py)?;
+        if self.inner.is_quantized() {
+            return Err(to_py(py, Error::Input(UpstreamLlama::QUANTIZED.into())));
+        }
+        let (rest, engine) = (&self.weights, &self.inner);
+        let model = py
+            .detach(|| {
+                no_panic(|| {
+                    // candle's Llama loads the engine's own tensors (q/k/v and gate/up as
+                    // views into their stacks): nothing is copied
+                    let tensors = engine.hf_tensors().ok_or_else(|| Error::Input(UpstreamLlama::QUANTIZED.into()))?;
+                    let w = Weights {
+                        config: rest.config.clone(),
+                        tensors,
+                        qtensors: Default::default(),
+                        metadata: Default::default(),
+                        source: rest.source.clone(),
+                        format: rest.format,
+                    };
+                    UpstreamLlama::new(&w)
+                })
+            })
+            .py_err(py)?;
         Ok(UpstreamModel { inner: Arc::new(model) })
     }
 }
@@ -407,6 +431,13 @@ impl KVCache {
         let t = no_panic(|| guard.inner.layer_tensor(layer, true)).py_err(slf.py())?;
         to_numpy(slf.py(), t)
     }
+}
+
+/// Number of weights (tied embeddings counted once).
+fn parameters(w: &Weights) -> usize {
+    let float: usize = w.tensors.values().map(|t| t.elem_count()).sum();
+    let quantized: usize = w.qtensors.iter().filter(|(name, _)| !w.tensors.contains_key(*name)).map(|(_, q)| q.shape().elem_count()).sum();
+    float + quantized
 }
 
 /// `crop(n)` or (`trim`) `trim(n)`; an int no i64 holds is out of range like any other.

@@ -65,6 +65,39 @@ impl Linear {
         Ok(Self::Stack(parts))
     }
 
+    /// Appends output row `i` of the matrix (a row of W) as float32 to `out`.
+    pub fn row(&self, i: usize, out: &mut Vec<f32>) -> Result<()> {
+        match self {
+            Linear::Float(l) => out.extend(l.weight().get(i)?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            Linear::Quantized(q) => {
+                if i >= q.rows() {
+                    candle_core::bail!("row {i} of a {}-row matrix", q.rows());
+                }
+                q.dequantize_rows(i, 1, out)
+            }
+            Linear::Stack(parts) => {
+                let mut first = 0;
+                for p in parts {
+                    if i < first + p.out_features() {
+                        return p.row(i - first, out);
+                    }
+                    first += p.out_features();
+                }
+                candle_core::bail!("row {i} of a {first}-row matrix")
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of the weights as held (float, or blocks).
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Linear::Float(l) => l.weight().elem_count() * l.weight().dtype().size_in_bytes(),
+            Linear::Quantized(q) => q.nbytes(),
+            Linear::Stack(parts) => parts.iter().map(Linear::nbytes).sum(),
+        }
+    }
+
     pub fn out_features(&self) -> usize {
         match self {
             Linear::Float(l) => l.weight().dim(0).unwrap_or(0),

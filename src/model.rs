@@ -1,6 +1,7 @@
 //! The native Llama engine: a forward written with candle ops over a [`KvCache`] it owns.
 //! Positions always come from the cache's length; the caller never passes one.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
@@ -50,7 +51,9 @@ pub struct Llama {
     quantized: bool,
     dtype: DType,
     device: Device,
-    embed_tokens: Embedding,
+    /// The lookup table; None when the embeddings are tied and the table is the
+    /// `lm_head` (rows read from it, in its blocks when quantized: no second copy).
+    embed_tokens: Option<Embedding>,
     layers: Vec<Layer>,
     norm: Norm,
     lm_head: Linear,
@@ -61,51 +64,119 @@ pub struct Llama {
 }
 
 impl Llama {
-    /// Builds the engine from loaded weights (shapes already checked by the loader).
+    /// Builds the engine from loaded weights (shapes already checked by the loader); `w`
+    /// keeps its tensors (they are shared, not copied, where the engine uses them as
+    /// they are). [`Llama::from_weights`] releases them as it goes instead.
     pub fn new(w: &Weights) -> Result<Self> {
-        let c = &w.config;
-        let linear = |name: &str| -> Result<Linear> {
-            let name = format!("{name}.weight");
-            Ok(match w.qtensors.get(&name) {
-                Some(q) => Linear::quantized(q, w.dtype(), &w.device())?,
-                None => Linear::new(w.get(&name)?.clone()),
-            })
+        let shallow = Weights {
+            config: w.config.clone(),
+            tensors: w.tensors.clone(),
+            qtensors: w.qtensors.clone(),
+            metadata: Default::default(),
+            source: w.source.clone(),
+            format: w.format,
         };
-        let norm = |name: &str| -> Result<Norm> { Norm::new(w.get(&format!("{name}.weight"))?.clone(), c.rms_norm_eps) };
+        Ok(Self::from_weights(shallow)?.0)
+    }
+
+    /// Builds the engine, taking each tensor out of `w` as it is used, so that a tensor
+    /// copied into another form (q/k/v and gate/up stacked, GGUF blocks repacked) is
+    /// released at once and loading never holds two copies of the weights. Returns what
+    /// is left of `w` (config, metadata, source; no tensors).
+    pub fn from_weights(mut w: Weights) -> Result<(Self, Weights)> {
+        let c = w.config.clone();
+        let (dtype, device, quantized) = (w.dtype(), w.device(), w.is_quantized());
+        let source = w.source.clone();
+        let linear = |w: &mut Weights, name: &str| -> Result<Linear> {
+            let name = format!("{name}.weight");
+            match (w.qtensors.remove(&name), w.tensors.remove(&name)) {
+                (Some(q), _) => Ok(Linear::quantized(&q, dtype, &device)?),
+                (None, Some(t)) => Ok(Linear::new(t)),
+                (None, None) => Err(Error::load(&source, format!("tensor {name} is missing"))),
+            }
+        };
+        let norm = |w: &mut Weights, name: &str| -> Result<Norm> {
+            let name = format!("{name}.weight");
+            let t = w.tensors.remove(&name).ok_or_else(|| Error::load(&source, format!("tensor {name} is missing")))?;
+            Norm::new(t, c.rms_norm_eps)
+        };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
+            let qkv = ["q_proj", "k_proj", "v_proj"].iter().map(|n| linear(&mut w, &format!("{p}.self_attn.{n}"))).collect::<Result<_>>()?;
+            let gate_up = ["gate_proj", "up_proj"].iter().map(|n| linear(&mut w, &format!("{p}.mlp.{n}"))).collect::<Result<_>>()?;
             layers.push(Layer {
-                input_layernorm: norm(&format!("{p}.input_layernorm"))?,
-                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm"))?,
-                attn: Attention {
-                    qkv: Linear::stack(["q_proj", "k_proj", "v_proj"].iter().map(|n| linear(&format!("{p}.self_attn.{n}"))).collect::<Result<_>>()?)?,
-                    o_proj: linear(&format!("{p}.self_attn.o_proj"))?,
-                },
-                mlp: Mlp {
-                    gate_up: Linear::stack(["gate_proj", "up_proj"].iter().map(|n| linear(&format!("{p}.mlp.{n}"))).collect::<Result<_>>()?)?,
-                    down_proj: linear(&format!("{p}.mlp.down_proj"))?,
-                },
+                input_layernorm: norm(&mut w, &format!("{p}.input_layernorm"))?,
+                post_attention_layernorm: norm(&mut w, &format!("{p}.post_attention_layernorm"))?,
+                attn: Attention { qkv: Linear::stack(qkv)?, o_proj: linear(&mut w, &format!("{p}.self_attn.o_proj"))? },
+                mlp: Mlp { gate_up: Linear::stack(gate_up)?, down_proj: linear(&mut w, &format!("{p}.mlp.down_proj"))? },
             });
         }
-        let embeddings = w.get("model.embed_tokens.weight")?.clone();
-        let lm_head = if c.tie_word_embeddings { linear("model.embed_tokens")? } else { linear("lm_head")? };
-        let dtype = embeddings.dtype();
-        let device = embeddings.device().clone();
+        let lm_head = if c.tie_word_embeddings { linear(&mut w, "model.embed_tokens")? } else { linear(&mut w, "lm_head")? };
+        // tied: the lm_head is the table (a float lm_head is the same tensor; a quantized
+        // one is read a row at a time), so no float copy is kept beside it
+        let embed_tokens = match (c.tie_word_embeddings, &lm_head) {
+            (true, Linear::Quantized(_)) => None,
+            (true, Linear::Float(l)) => Some(Embedding::new(l.weight().clone(), c.hidden_size)),
+            _ => {
+                let name = "model.embed_tokens.weight";
+                let t = w.tensors.remove(name).ok_or_else(|| Error::load(&source, format!("tensor {name} is missing")))?;
+                Some(Embedding::new(t, c.hidden_size))
+            }
+        };
+        let final_norm = norm(&mut w, "model.norm")?;
         let decode = device.is_cpu() && dtype == DType::F32;
-        Ok(Self {
+        let model = Self {
             id: next_model_id(),
-            config: c.clone(),
-            quantized: w.is_quantized(),
-            embed_tokens: Embedding::new(embeddings, c.hidden_size),
+            rope: Rope::new(&c, dtype, &device)?,
+            config: c,
+            quantized,
+            embed_tokens,
             layers,
-            norm: norm("model.norm")?,
+            norm: final_norm,
             lm_head,
-            rope: Rope::new(c, dtype, &device)?,
             dtype,
             device,
             decode,
-        })
+        };
+        Ok((model, w))
+    }
+
+    /// Every weight under its Hugging Face name, as candle's own Llama loads them: views
+    /// into the engine's tensors (q/k/v and gate/up narrowed out of their stacks), no
+    /// copy. None for a model whose linear layers run on quantized blocks.
+    pub fn hf_tensors(&self) -> Option<HashMap<String, Tensor>> {
+        let mut out = HashMap::new();
+        let float = |l: &Linear| match l {
+            Linear::Float(l) => Some(l.weight().clone()),
+            _ => None,
+        };
+        let c = &self.config;
+        let (q, kv, ff) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size);
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let qkv = float(&l.attn.qkv)?;
+            let gate_up = float(&l.mlp.gate_up)?;
+            for (name, t) in [
+                ("self_attn.q_proj", qkv.narrow(0, 0, q).ok()?),
+                ("self_attn.k_proj", qkv.narrow(0, q, kv).ok()?),
+                ("self_attn.v_proj", qkv.narrow(0, q + kv, kv).ok()?),
+                ("self_attn.o_proj", float(&l.attn.o_proj)?),
+                ("mlp.gate_proj", gate_up.narrow(0, 0, ff).ok()?),
+                ("mlp.up_proj", gate_up.narrow(0, ff, ff).ok()?),
+                ("mlp.down_proj", float(&l.mlp.down_proj)?),
+                ("input_layernorm", l.input_layernorm.weight.clone()),
+                ("post_attention_layernorm", l.post_attention_layernorm.weight.clone()),
+            ] {
+                out.insert(format!("{p}.{name}.weight"), t);
+            }
+        }
+        out.insert("model.norm.weight".into(), self.norm.weight.clone());
+        out.insert("model.embed_tokens.weight".into(), self.embed_tokens.as_ref()?.embeddings().clone());
+        if !c.tie_word_embeddings {
+            out.insert("lm_head.weight".into(), float(&self.lm_head)?);
+        }
+        Some(out)
     }
 
     pub fn id(&self) -> u64 {
@@ -114,6 +185,23 @@ impl Llama {
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Bytes of the weights the engine holds (each shared tensor counted once).
+    pub fn weight_bytes(&self) -> usize {
+        let tensor = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let norms: usize = self.layers.iter().map(|l| tensor(&l.input_layernorm.weight) + tensor(&l.post_attention_layernorm.weight)).sum();
+        let linears: usize = self
+            .layers
+            .iter()
+            .map(|l| l.attn.qkv.nbytes() + l.attn.o_proj.nbytes() + l.mlp.gate_up.nbytes() + l.mlp.down_proj.nbytes())
+            .sum();
+        // a tied float table is the lm_head's own tensor
+        let table = match (&self.embed_tokens, self.config.tie_word_embeddings) {
+            (Some(e), false) => tensor(e.embeddings()),
+            _ => 0,
+        };
+        norms + linears + table + tensor(&self.norm.weight) + self.lm_head.nbytes()
     }
 
     /// Whether the linear layers run on GGUF quantized blocks.
@@ -240,8 +328,7 @@ impl Llama {
             });
         }
         cache.reserve(seq)?;
-        let input = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
-        let mut x = self.embed_tokens.forward(&input)?;
+        let mut x = self.embed(ids)?.unsqueeze(0)?;
         let mask = causal_mask(seq, cache.len(), &self.device)?;
         let rope = self.rope.tables(cache.len(), seq)?;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -311,6 +398,34 @@ impl Llama {
         let y = att.matmul(&v)?.to_dtype(self.dtype)?;
         let y = y.reshape((b, heads, seq, d))?.transpose(1, 2)?.reshape((b, seq, heads * d))?;
         Ok(a.o_proj.forward(&y)?)
+    }
+}
+
+impl Llama {
+    /// The embeddings of `ids`, (len, hidden) in the model's dtype.
+    fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        match &self.embed_tokens {
+            Some(table) => Ok(table.forward(&Tensor::new(ids, &self.device)?)?),
+            None => {
+                let mut rows = Vec::with_capacity(ids.len() * self.config.hidden_size);
+                for &id in ids {
+                    self.lm_head.row(id as usize, &mut rows)?;
+                }
+                Ok(Tensor::from_vec(rows, (ids.len(), self.config.hidden_size), &self.device)?.to_dtype(self.dtype)?)
+            }
+        }
+    }
+
+    /// One token's embedding as float32.
+    fn embed_one(&self, id: u32) -> Result<Vec<f32>> {
+        match &self.embed_tokens {
+            Some(table) => Ok(table.embeddings().get(id as usize)?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            None => {
+                let mut row = Vec::with_capacity(self.config.hidden_size);
+                self.lm_head.row(id as usize, &mut row)?;
+                Ok(row)
+            }
+        }
     }
 }
 

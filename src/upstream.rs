@@ -27,11 +27,12 @@ pub struct UpstreamCache {
 }
 
 impl UpstreamLlama {
+    /// Why a quantized model has no upstream engine.
+    pub const QUANTIZED: &'static str = "candle's upstream Llama runs float weights; load the model without quantized=True";
+
     pub fn new(w: &Weights) -> Result<Self> {
         if w.is_quantized() {
-            return Err(Error::Input(
-                "candle's upstream Llama runs float weights; load the model without quantized=True".into(),
-            ));
+            return Err(Error::Input(Self::QUANTIZED.into()));
         }
         let config = w.config.to_upstream().map_err(|r| Error::load(&w.source, r))?;
         let embeddings = w.get("model.embed_tokens.weight")?;

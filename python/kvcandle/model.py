@@ -89,6 +89,13 @@ class Model:
     def num_parameters(self) -> int:
         return self._inner.num_parameters
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the engine holds: float32 (or 16-bit) tensors, or the
+        GGUF file's blocks with ``quantized=True``. A tied embedding table is the
+        ``lm_head`` itself, counted once."""
+        return self._inner.weight_bytes
+
     def new_cache(self, dtype: Optional[str] = None) -> KVCache:
         """An empty cache for this model (storage is allocated on first use).
 

@@ -53,9 +53,9 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
         let fail = |e: candle_core::Error| Error::load(path, format!("tensor {}: {}", spec.gguf, message(e)));
         let q = content.tensor(&mut reader, &spec.gguf, &Device::Cpu).map_err(fail)?;
         let keep_blocks = quantized && spec.linear;
-        // floats are needed unless the matrix stays quantized; the tied embedding table
-        // is both the (quantized) lm_head and the (float) lookup table
-        if !keep_blocks || spec.name == "model.embed_tokens.weight" {
+        // floats are needed unless the matrix stays quantized (the tied embedding table
+        // is the quantized lm_head, whose rows the engine reads for the lookup too)
+        if !keep_blocks {
             let mut t = q.dequantize(&Device::Cpu).map_err(fail)?;
             if let Some(heads) = spec.rope_heads {
                 t = unpermute(&t, heads).map_err(fail)?;

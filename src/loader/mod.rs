@@ -47,11 +47,11 @@ impl Weights {
 
     /// The float dtype and device of the weights (those of the embedding table).
     pub fn dtype(&self) -> DType {
-        self.tensors.get("model.embed_tokens.weight").map_or(DType::F32, |t| t.dtype())
+        self.tensors.get(FLOAT_ALWAYS).map_or(DType::F32, |t| t.dtype())
     }
 
     pub fn device(&self) -> Device {
-        self.tensors.get("model.embed_tokens.weight").map_or(Device::Cpu, |t| t.device().clone())
+        self.tensors.get(FLOAT_ALWAYS).map_or(Device::Cpu, |t| t.device().clone())
     }
 
     pub fn is_quantized(&self) -> bool {
@@ -99,6 +99,10 @@ impl TensorSpec {
         Ok(())
     }
 }
+
+/// A tensor every loader keeps as floats (never in quantized blocks): the final norm's
+/// scale. Its dtype and device are the model's.
+const FLOAT_ALWAYS: &str = "model.norm.weight";
 
 /// Weights per transformer layer.
 const TENSORS_PER_LAYER: usize = 9;

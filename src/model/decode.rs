@@ -24,7 +24,7 @@ impl Llama {
         let team = Team::global();
         cache.reserve(1)?;
         let pos = cache.len();
-        let mut x = self.embed_tokens.embeddings().get(id as usize)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let mut x = self.embed_one(id)?;
         let mut xn = vec![0f32; c.hidden_size];
         let mut qkv = vec![0f32; (heads + 2 * kv_heads) * d];
         let mut h = vec![0f32; c.intermediate_size];
