@@ -7,7 +7,7 @@
 //!
 //!     RAYON_NUM_THREADS=2 cargo run --release --example attention_probe
 
-use kvcandle::attention::{decode_attention, decode_attention_half, LayerKv, LayerKvHalf};
+use kvcandle::attention::{decode_attention, decode_attention_half, LayerKv};
 use std::time::Instant;
 fn main() {
     let (kv_heads, n_rep, d, len, layers) = (3usize, 3usize, 64usize, 2048usize, 30usize);
@@ -32,7 +32,7 @@ fn main() {
         let hot = t.elapsed().as_secs_f64() / layers as f64;
         let t = Instant::now();
         for l in 0..layers {
-            let kv = LayerKvHalf { keys: &kh[l * per..(l + 1) * per], values: &kh[l * per..(l + 1) * per], kv_heads, capacity: len, len, head_dim: d };
+            let kv = LayerKv { keys: &kh[l * per..(l + 1) * per], values: &kh[l * per..(l + 1) * per], kv_heads, capacity: len, len, head_dim: d };
             std::hint::black_box(decode_attention_half(&q, &kv));
         }
         let half = t.elapsed().as_secs_f64() / layers as f64;

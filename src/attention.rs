@@ -33,22 +33,12 @@ use crate::team::{Shards, Team};
 const CHUNK: usize = 256;
 
 /// The cached keys and values of one layer: `kv_heads` blocks of `capacity` positions of
-/// `head_dim` floats each, of which the first `len` positions are used.
-pub struct LayerKv<'a> {
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
-    pub kv_heads: usize,
-    pub capacity: usize,
-    pub len: usize,
-    pub head_dim: usize,
-}
-
-/// The same for a cache that stores keys and values as float16 (half the bytes to read per
-/// step): each task widens its chunk to float32 in a buffer of its thread (in the core's
-/// cache) and runs the float32 kernels on it.
-pub struct LayerKvHalf<'a> {
-    pub keys: &'a [f16],
-    pub values: &'a [f16],
+/// `head_dim` values each, of which the first `len` positions are used. Stored as float32,
+/// or as float16 (half the bytes read per step: each task widens its chunk to float32 in
+/// a buffer of its thread, in the core's cache, and runs the float32 kernels on it).
+pub struct LayerKv<'a, T = f32> {
+    pub keys: &'a [T],
+    pub values: &'a [T],
     pub kv_heads: usize,
     pub capacity: usize,
     pub len: usize,
@@ -93,7 +83,7 @@ unsafe fn widen_avx512(src: &[f16], dst: &mut [f32]) {
 }
 
 /// [`decode_attention`] over a float16 cache.
-pub fn decode_attention_half(q: &[f32], kv: &LayerKvHalf<'_>) -> Vec<f32> {
+pub fn decode_attention_half(q: &[f32], kv: &LayerKv<'_, f16>) -> Vec<f32> {
     let d = kv.head_dim;
     let n_rep = q.len() / d / kv.kv_heads;
     merge_tasks(q, kv.kv_heads, kv.len, d, &|h, positions| {
@@ -111,7 +101,7 @@ pub fn decode_attention_half(q: &[f32], kv: &LayerKvHalf<'_>) -> Vec<f32> {
 
 /// [`prefill_attention`] over a float16 cache: the positions the chunk sees are widened
 /// to float32 once per layer (one task per KV head), then attended as float32.
-pub fn prefill_attention_half(q: &[f32], seq: usize, kv: &LayerKvHalf<'_>) -> Vec<f32> {
+pub fn prefill_attention_half(q: &[f32], seq: usize, kv: &LayerKv<'_, f16>) -> Vec<f32> {
     let (d, len) = (kv.head_dim, kv.len);
     let mut keys = vec![0f32; kv.kv_heads * len * d];
     let mut values = vec![0f32; kv.kv_heads * len * d];
@@ -605,7 +595,7 @@ mod tests {
             let (v16, v32) = round(random(kv_heads * capacity * d, 120 + case as u64));
             let heads = kv_heads * n_rep;
             let q: Vec<f32> = random(heads * d, 220 + case as u64).iter().map(|x| 4.0 * x).collect();
-            let half = LayerKvHalf { keys: &k16, values: &v16, kv_heads, capacity, len, head_dim: d };
+            let half = LayerKv { keys: &k16, values: &v16, kv_heads, capacity, len, head_dim: d };
             let wide = LayerKv { keys: &k32, values: &v32, kv_heads, capacity, len, head_dim: d };
             let want = reference(&q, &wide);
             let got = decode_attention_half(&q, &half);

@@ -17,12 +17,12 @@ use half::slice::HalfFloatSliceExt;
 
 use candle_core::{DType, Device, Storage, Tensor};
 
-use crate::attention::{decode_attention, decode_attention_half, prefill_attention, prefill_attention_half, LayerKv, LayerKvHalf};
+use crate::attention::{decode_attention, decode_attention_half, prefill_attention, prefill_attention_half, LayerKv};
 
 /// One layer's cached keys and values read in place, by storage type.
 enum Kv<'a> {
     F32(&'a LayerKv<'a>),
-    F16(&'a LayerKvHalf<'a>),
+    F16(&'a LayerKv<'a, half::f16>),
 }
 
 use crate::error::{Error, Result};
@@ -281,7 +281,7 @@ impl KvCache {
                 len,
                 head_dim,
             }))),
-            DType::F16 => Some(f(Kv::F16(&LayerKvHalf {
+            DType::F16 => Some(f(Kv::F16(&LayerKv {
                 keys: &k.as_slice::<half::f16>()?[kl.start_offset()..],
                 values: &v.as_slice::<half::f16>()?[vl.start_offset()..],
                 kv_heads,
