@@ -47,7 +47,10 @@ class Conversation:
         self._system = system
         self._messages: list[dict[str, str]] = self._base()
         self._history: list[int] = []  # the conversation's ids, as the model saw and wrote them
-        self._turns: list[tuple[int, int]] = []  # (len(history), len(messages)) as each exchange began
+        # (len(history), len(messages), len(cache)) as each exchange began: undo restores
+        # the cache to exactly that state, so what follows computes what a conversation
+        # that never had the exchange computes
+        self._turns: list[tuple[int, int, int]] = []
         self._cache = model.new_cache()
         self._end = self._end_of_turn()
 
@@ -90,7 +93,7 @@ class Conversation:
 
     def turn_starts(self) -> list[int]:
         """Where each exchange begins in :attr:`tokens`."""
-        return [h for h, _ in self._turns]
+        return [h for h, _, _ in self._turns]
 
     def _prompt(self, text: str) -> list[int]:
         tok = self._model.tokenizer
@@ -121,7 +124,7 @@ class Conversation:
         ids = self._prompt(text)
         pieces = stream_generate(self._model, ids, max_tokens=max_tokens, cache=self._cache, stats=sampling.pop("stats", None), **sampling)
         reply: list[int] = []
-        start = (len(self._history), len(self._messages))
+        start = (len(self._history), len(self._messages), len(self._cache))
         began = False
         try:
             for piece in pieces:
@@ -155,9 +158,9 @@ class Conversation:
         Returns False when there was nothing to undo."""
         if not self._turns:
             return False
-        h, m = self._turns.pop()
+        h, m, c = self._turns.pop()
         del self._history[h:], self._messages[m:]
-        self._cache.crop(min(len(self._cache), h))
+        self._cache.crop(min(len(self._cache), c))
         return True
 
     def reset(self) -> None:
@@ -204,13 +207,13 @@ class Conversation:
             system = state["system"]
             messages = state["messages"]
             history = state["tokens"]
-            turns = [(int(h), int(m)) for h, m in state["turns"]]
+            turns = [(int(h), int(m), int(c)) for h, m, c in state["turns"]]
             ok = (
                 (system is None or isinstance(system, str))
                 and _messages_ok(messages)
                 and isinstance(history, list)
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in history)
-                and all(0 <= h <= len(history) and 0 <= m <= len(messages) for h, m in turns)
+                and all(0 <= c <= h <= len(history) and 0 <= m <= len(messages) for h, m, c in turns)
                 and cache.tokens == history[: len(cache)]
             )
         except KeyError as e:
