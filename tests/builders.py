@@ -166,6 +166,29 @@ def write_gguf(path, s: Shape, *, arch: str = "llama", seed: int = 0, tokenizer:
     return path
 
 
+def float64_reference(path):
+    """transformers' LlamaForCausalLM (eager attention) on a tiny model's directory,
+    computing in float64: the truth every float32 path is measured against. torch uses
+    the thread count kvcandle runs with."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from kvcandle import parity
+
+    torch.set_num_threads(parity.thread_count())
+    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float64, attn_implementation="eager").eval()
+    parity.compute_in_float64(model)
+    return model
+
+
+def ref_logits(ref, ids: list[int]) -> np.ndarray:
+    """Every position's float64 logits of ``ids`` run at once."""
+    import torch
+
+    with torch.inference_mode():
+        return ref(torch.tensor([ids])).logits[0].numpy()
+
+
 def max_abs(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
 

@@ -10,7 +10,7 @@ import pytest
 
 import kvcandle
 from kvcandle._platform import cpu_description
-from builders import SHAPES, write_hf_dir
+from builders import SHAPES, float64_reference, write_hf_dir
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -55,6 +55,13 @@ def tiny_models(tiny_dirs: dict[str, Path]) -> dict[str, kvcandle.Model]:
 def tiny(tiny_models: dict[str, kvcandle.Model]) -> kvcandle.Model:
     """The GQA tiny model (6 query heads, 2 KV heads, context 64)."""
     return tiny_models["gqa"]
+
+
+@pytest.fixture(scope="session")
+def tiny_references(tiny_dirs: dict[str, Path]) -> dict:
+    """Each tiny model in float64 (transformers, eager): the reference every float32 path
+    on them is measured against."""
+    return {name: float64_reference(path) for name, path in tiny_dirs.items()}
 
 
 @pytest.fixture(scope="session")

@@ -10,30 +10,11 @@ import inspect
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache
 
 import kvcandle
 
-from builders import SHAPES, Shape, max_abs, write_hf_dir
-from kvcandle import parity
-
-
-torch.set_num_threads(parity.thread_count())
-
-
-def float64_reference(path) -> LlamaForCausalLM:
-    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float64, attn_implementation="eager").eval()
-    parity.compute_in_float64(model)
-    return model
-
-@pytest.fixture(scope="module")
-def reference(tiny_dirs):
-    return {name: float64_reference(path) for name, path in tiny_dirs.items()}
-
-
-def ref_logits(ref, ids: list[int]) -> np.ndarray:
-    with torch.inference_mode():
-        return ref(torch.tensor([ids])).logits[0].numpy()
+from builders import SHAPES, Shape, float64_reference, max_abs, ref_logits, write_hf_dir
 
 
 def sequence(vocab: int, n: int, seed: int) -> list[int]:
@@ -41,8 +22,8 @@ def sequence(vocab: int, n: int, seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_all_positions_match_transformers(shape, tiny_models, reference):
-    model, ref = tiny_models[shape.name], reference[shape.name]
+def test_all_positions_match_transformers(shape, tiny_models, tiny_references):
+    model, ref = tiny_models[shape.name], tiny_references[shape.name]
     ids = sequence(shape.vocab, 20, 1)
     ours = model.forward(ids, model.new_cache(), all_logits=True)
     assert ours.shape == (20, shape.vocab) and ours.dtype == np.float32
@@ -50,8 +31,8 @@ def test_all_positions_match_transformers(shape, tiny_models, reference):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_decode_with_cache_matches_no_cache(shape, tiny_models, reference):
-    model, ref = tiny_models[shape.name], reference[shape.name]
+def test_decode_with_cache_matches_no_cache(shape, tiny_models, tiny_references):
+    model, ref = tiny_models[shape.name], tiny_references[shape.name]
     ids = sequence(shape.vocab, 16, 2)
     full = ref_logits(ref, ids)
     cache = model.new_cache()
@@ -76,8 +57,8 @@ def test_chunked_prefill_equals_one_shot(chunks, tiny):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_cache_keys_values_match_dynamic_cache(shape, tiny_models, reference):
-    model, ref = tiny_models[shape.name], reference[shape.name]
+def test_cache_keys_values_match_dynamic_cache(shape, tiny_models, tiny_references):
+    model, ref = tiny_models[shape.name], tiny_references[shape.name]
     ids = sequence(shape.vocab, 9, 4)
     cache = model.new_cache()
     model.forward(ids[:5], cache)

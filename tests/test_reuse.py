@@ -9,17 +9,20 @@ import numpy as np
 import pytest
 
 import kvcandle
+from builders import ref_logits
+from kvcandle import parity
 
 A = [3, 9, 27, 81, 43, 29, 87, 61, 83, 49]
 
 
-def test_sync_runs_only_what_the_cache_lacks(tiny: kvcandle.Model) -> None:
+def test_sync_runs_only_what_the_cache_lacks(tiny: kvcandle.Model, tiny_references: dict) -> None:
     cache = tiny.new_cache()
     s = tiny.sync(A[:4], cache)
     assert (s.kept, s.ran, len(cache)) == (0, 4, 4)
     s = tiny.sync(A, cache)
     assert (s.kept, s.ran, cache.tokens) == (4, 6, A)
-    assert np.allclose(s.logits, tiny.forward(A), atol=1e-5)
+    # measured against float64, within the bound test_engine_tiny.py holds every path to
+    assert np.max(np.abs(s.logits - ref_logits(tiny_references["gqa"], A)[-1])) <= 1e-4
     # everything held: the last position runs again for its logits
     s = tiny.sync(A, cache)
     assert (s.kept, s.ran, cache.tokens) == (9, 1, A)
@@ -97,8 +100,12 @@ def test_prompt_cache_continuation_equals_a_fresh_prefill(default_model: kvcandl
     assert len(found) >= len(doc)
     got = default_model.sync(doc + question, found).logits
     want = default_model.forward(doc + question)
-    # the same rows computed in other chunks: float32 rounding only (2e-5 of 15 seen here)
-    assert np.max(np.abs(got - want)) <= 1e-5 * float(np.max(np.abs(want)))
+    # two float32 paths (other chunks), each held within parity.TOLERANCE of float64 by
+    # test_parity.py: they differ by at most twice that (2e-5 seen here)
+    margin = 2 * parity.TOLERANCE
+    assert np.max(np.abs(got - want)) <= margin
+    top2 = np.sort(want)[-2:]
+    assert top2[1] - top2[0] > 2 * margin, "the prompt must have a clear next token for the argmax check"
     assert int(np.argmax(got)) == int(np.argmax(want))
 
 
@@ -165,7 +172,11 @@ def test_generate_with_a_prompt_cache(default_model: kvcandle.Model) -> None:
     pc = kvcandle.PromptCache(default_model, max_bytes=10**9)
     first = kvcandle.generate(default_model, doc + "When is the meeting?", max_tokens=4, prompt_cache=pc)
     second = kvcandle.generate(default_model, doc + "Where is the meeting?", max_tokens=4, prompt_cache=pc)
-    fresh = kvcandle.generate(default_model, doc + "Where is the meeting?", max_tokens=4)
     assert first.stats.reused_tokens == 0
     assert second.stats.reused_tokens >= len(default_model.tokenizer.encode(doc)) - 2
-    assert second.tokens == fresh.tokens
+    # the same steps on one plain cache (kept and cropped to the shared prefix by sync):
+    # the prompt cache's fork computes exactly that
+    cache = default_model.new_cache()
+    kvcandle.generate(default_model, doc + "When is the meeting?", max_tokens=4, cache=cache)
+    plain = kvcandle.generate(default_model, doc + "Where is the meeting?", max_tokens=4, cache=cache)
+    assert (second.tokens, second.stats.reused_tokens) == (plain.tokens, plain.stats.reused_tokens)
