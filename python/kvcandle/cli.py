@@ -17,7 +17,7 @@ from typing import IO, Iterable, Optional, Sequence
 
 from .conversation import Conversation
 from .errors import InputError, KVCandleError
-from .generation import Stats, stream_generate
+from .generation import Stats, encode_prompt, stream_generate
 from .model import Model, load
 from .prompt_cache import PromptCache
 
@@ -63,12 +63,14 @@ def load_with_progress(path: Optional[str], err: IO[str], quantized: bool = Fals
 
 def human_bytes(n: int) -> str:
     """``n`` bytes in binary units: ``"512 B"``, ``"2.3 MiB"``."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
+    if n < 1024:
+        return f"{n} B"
+    size, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{size:.1f} {unit}"
 
 
 def stats_line(stats: Stats, model: Model, cache) -> str:
@@ -83,17 +85,18 @@ def stats_line(stats: Stats, model: Model, cache) -> str:
 
 def cmd_generate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     model = load_with_progress(args.model, err, args.quantized)
+    ids = encode_prompt(model, args.prompt)
     prompt_cache = None
     if args.prompt_cache:
         prompt_cache = PromptCache.load(args.prompt_cache, model, max_bytes=args.prompt_cache_bytes)
-        cache = prompt_cache.lookup(model.tokenizer.encode(args.prompt) if model.tokenizer else [])
+        cache = prompt_cache.lookup(ids)
     else:
         cache = model.new_cache()
     stats = Stats()
     reason = "interrupted"
     try:
         for piece in stream_generate(
-            model, args.prompt, max_tokens=args.max_tokens, cache=cache, temperature=args.temperature,
+            model, ids, max_tokens=args.max_tokens, cache=cache, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None, stats=stats,
         ):
             out.write(piece.text)
@@ -103,7 +106,7 @@ def cmd_generate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     except KeyboardInterrupt:
         pass
     out.write("\n")
-    if prompt_cache is not None:
+    if prompt_cache is not None:  # also after Ctrl-C: the prompt's prefill is kept
         prompt_cache.insert(cache)
         prompt_cache.save(args.prompt_cache)
     err.write(stats_line(stats, model, cache) + f" finish={reason}\n")

@@ -23,6 +23,7 @@ import numpy as np
 from . import _core
 from ._default import default_model_path
 from ._ids import Ids, as_ids
+from .cache import _as_int
 from .errors import CacheError, InputError, PositionError
 
 
@@ -117,11 +118,8 @@ class TrackedCache:
     def crop(self, n: int) -> int:
         """Keeps the first ``n`` positions: a new ``Cache``, with the kept tokens run
         again (candle's cache cannot be shortened). Returns the positions dropped."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-            raise TypeError(f"n must be an int, got {type(n).__name__} {n!r}")
-        if not 0 <= n <= len(self):
-            raise InputError(f"crop: n must be in [0, {len(self)}] (the cache length), got {n}")
-        kept, dropped = self._tokens[:n], len(self) - int(n)
+        n = self._count("crop", n)
+        kept, dropped = self._tokens[:n], len(self) - n
         self.reset()
         if kept:
             self._engine.forward(kept, self)
@@ -129,12 +127,16 @@ class TrackedCache:
 
     def trim(self, n: int) -> int:
         """Drops the last ``n`` positions (:meth:`crop` to ``len - n``)."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-            raise TypeError(f"n must be an int, got {type(n).__name__} {n!r}")
-        if not 0 <= n <= len(self):
-            raise InputError(f"trim: n must be in [0, {len(self)}] (the cache length), got {n}")
-        self.crop(len(self) - int(n))
-        return int(n)
+        n = self._count("trim", n)
+        self.crop(len(self) - n)
+        return n
+
+    def _count(self, op: str, n: object) -> int:
+        """``n`` as an int in ``[0, len]``, else the errors kvcandle's own cache raises."""
+        value = _as_int(n, "n")
+        if not 0 <= value <= len(self):
+            raise InputError(f"{op}: n must be in [0, {len(self)}] (the cache length), got {value}")
+        return value
 
     def fork(self) -> "TrackedCache":
         """candle's ``Cache::clone()``: its tensors are shared and never written in place."""
