@@ -1,13 +1,15 @@
 //! Decode attention alone at 2,048 positions (SmolLM2's 3 KV heads of 64, 3 query heads
 //! each): per layer, cold (30 layers' K/V read in turn, 47 MB, as a decode step reads
 //! them), hot (one layer's again and again: in the core's cache, so compute alone) and
-//! for a float16 cache. What it showed here: cold ~190 us, hot ~85 us, float16 cold
-//! ~155 us per layer, where the bytes alone would take ~58 us at the measured read rate:
-//! the kernel neither reaches the memory rate nor overlaps it with its compute.
+//! for a float16 cache. What it showed here with the per-score horizontal sums: cold ~190
+//! us, hot ~85 us, float16 cold ~135 us per layer; with blocks of 16 keys scored by one
+//! transposing reduction, the exponential vectorized and prefetch one block ahead: cold
+//! ~150 us (~21 GB/s of the ~30 GB/s numpy reads on 2 threads), hot ~60 us, float16
+//! cold ~80 us.
 //!
 //!     RAYON_NUM_THREADS=2 cargo run --release --example attention_probe
 
-use kvcandle::attention::{decode_attention, decode_attention_half, LayerKv};
+use kvcandle::attention::{decode_attention, LayerKv};
 use std::time::Instant;
 fn main() {
     let (kv_heads, n_rep, d, len, layers) = (3usize, 3usize, 64usize, 2048usize, 30usize);
@@ -33,7 +35,7 @@ fn main() {
         let t = Instant::now();
         for l in 0..layers {
             let kv = LayerKv { keys: &kh[l * per..(l + 1) * per], values: &kh[l * per..(l + 1) * per], kv_heads, capacity: len, len, head_dim: d };
-            std::hint::black_box(decode_attention_half(&q, &kv));
+            std::hint::black_box(decode_attention(&q, &kv));
         }
         let half = t.elapsed().as_secs_f64() / layers as f64;
         let bytes = 2.0 * per as f64 * 4.0;

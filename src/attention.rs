@@ -8,9 +8,12 @@
 //! (rescaled by the difference of their maxima), so tasks spread over every thread even
 //! when a model has fewer KV heads than the machine has cores.
 //!
-//! The dot products and the value accumulation are written with eight independent lanes,
-//! which the compiler turns into SIMD; x86 builds carry AVX-512 and AVX2+FMA versions of
-//! the same code chosen at run time (aarch64's NEON is always there).
+//! The portable task's dot products and value accumulation are written with eight
+//! independent lanes, which the compiler turns into SIMD (x86 builds carry an AVX2+FMA
+//! version chosen at run time; aarch64's NEON is always there); with AVX-512 a task works
+//! on blocks of 16 positions, scoring 16 keys into one register by a transposing
+//! reduction. A float16 cache is widened to float32 a block (or a chunk) at a time, in
+//! a buffer of the thread, never as a whole.
 //!
 //! Many new positions at once (a prefill chunk) take [`prefill_attention`]: a task takes
 //! one KV head and a block of [`BLOCK`] consecutive query positions, computes the scores
@@ -50,12 +53,6 @@ thread_local! {
     static WIDE: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// float16 to float32 into `dst` (resized to fit).
-fn widen(src: &[f16], dst: &mut Vec<f32>) {
-    dst.resize(src.len(), 0.0);
-    widen_into(src, dst);
-}
-
 /// float16 to float32, 16 at a time with AVX-512F's conversion where the CPU has it (16
 /// values per instruction); elsewhere the `half` crate's conversion (F16C or NEON where
 /// there, chosen at run time).
@@ -82,23 +79,6 @@ unsafe fn widen_avx512(src: &[f16], dst: &mut [f32]) {
     src[n..].convert_to_f32_slice(&mut dst[n..]);
 }
 
-/// [`decode_attention`] over a float16 cache.
-pub fn decode_attention_half(q: &[f32], kv: &LayerKv<'_, f16>) -> Vec<f32> {
-    let d = kv.head_dim;
-    let n_rep = q.len() / d / kv.kv_heads;
-    merge_tasks(q, kv.kv_heads, kv.len, d, &|h, positions| {
-        WIDE.with(|w| {
-            let (keys, values) = &mut *w.borrow_mut();
-            let first = (h * kv.capacity + positions.start) * d;
-            let n = positions.len();
-            widen(&kv.keys[first..first + n * d], keys);
-            widen(&kv.values[first..first + n * d], values);
-            let wide = LayerKv { keys, values, kv_heads: 1, capacity: n, len: n, head_dim: d };
-            chunk(&q[h * n_rep * d..(h + 1) * n_rep * d], &wide, 0, 0..n)
-        })
-    })
-}
-
 /// [`prefill_attention`] over a float16 cache: the positions the chunk sees are widened
 /// to float32 once per layer (one task per KV head), then attended as float32.
 pub fn prefill_attention_half(q: &[f32], seq: usize, kv: &LayerKv<'_, f16>) -> Vec<f32> {
@@ -118,6 +98,33 @@ pub fn prefill_attention_half(q: &[f32], seq: usize, kv: &LayerKv<'_, f16>) -> V
     prefill_attention(q, seq, &LayerKv { keys: &keys, values: &values, kv_heads: kv.kv_heads, capacity: len, len, head_dim: d })
 }
 
+/// How the cache stores its numbers: float32 as is, float16 widened to float32 where the
+/// kernels read it (a block at a time, in a buffer of the thread, in the core's cache).
+pub trait Stored: Copy + Send + Sync + 'static {
+    /// The same numbers as float32 without a copy, where they already are.
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+    /// `src` as float32 into `dst` (same length).
+    fn widen_into(src: &[Self], dst: &mut [f32]);
+}
+
+impl Stored for f32 {
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
+    fn widen_into(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Stored for f16 {
+    fn as_f32(_: &[f16]) -> Option<&[f32]> {
+        None
+    }
+    fn widen_into(src: &[f16], dst: &mut [f32]) {
+        widen_into(src, dst);
+    }
+}
+
 /// What one task found for one query head over its chunk of positions.
 struct Partial {
     max: f32,
@@ -128,14 +135,14 @@ struct Partial {
 
 /// `q`: the query heads of the new position, (heads, head_dim), after RoPE; the query
 /// heads `h * n_rep .. (h + 1) * n_rep` share KV head `h`. Returns (heads, head_dim).
-pub fn decode_attention(q: &[f32], kv: &LayerKv<'_>) -> Vec<f32> {
-    attend_with(q, kv, chunk)
+pub fn decode_attention<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>) -> Vec<f32> {
+    attend_with(q, kv, chunk::<T>)
 }
 
-type ChunkFn = fn(&[f32], &LayerKv<'_>, usize, std::ops::Range<usize>) -> Vec<Partial>;
+type ChunkFn<T> = fn(&[f32], &LayerKv<'_, T>, usize, std::ops::Range<usize>) -> Vec<Partial>;
 
 /// [`decode_attention`] with a given chunk kernel (each instruction-set version is tested).
-fn attend_with(q: &[f32], kv: &LayerKv<'_>, chunk: ChunkFn) -> Vec<f32> {
+fn attend_with<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, chunk: ChunkFn<T>) -> Vec<f32> {
     let d = kv.head_dim;
     let n_rep = q.len() / d / kv.kv_heads;
     merge_tasks(q, kv.kv_heads, kv.len, d, &|h, positions| chunk(&q[h * n_rep * d..(h + 1) * n_rep * d], kv, h, positions))
@@ -177,7 +184,7 @@ fn merge_tasks(q: &[f32], kv_heads: usize, len: usize, d: usize, task: &TaskFn<'
 }
 
 /// One (KV head, chunk of positions) task, on the best instruction set the CPU has.
-fn chunk(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
+fn chunk<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
     match kernel() {
         // SAFETY: the CPU has AVX-512F (checked at run time)
         #[cfg(target_arch = "x86_64")]
@@ -189,14 +196,30 @@ fn chunk(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Range<usize
     }
 }
 
-/// The AVX-512 task for head sizes that are a multiple of 64: each key is loaded once
-/// into registers and dotted with every query head of the group (fused multiply-adds,
-/// one horizontal sum per score); the weighted sum of values keeps 4 query heads x 64
-/// dimensions of accumulators in registers while the chunk's values stream through.
+/// Positions per block of the AVX-512 task: one register's worth of scores.
+#[cfg(target_arch = "x86_64")]
+const LANES: usize = 16;
+/// Blocks ahead whose keys the AVX-512 task prefetches (while the current block's values
+/// are prefetched for the value pass): one measured best of 1, 2 and 4 (a few per cent).
+#[cfg(target_arch = "x86_64")]
+const PF_K: usize = 1;
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// Each thread's buffers for one decode task: (scores, one block of rows as float32).
+    static DECODE: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// The AVX-512 task for head sizes that are a multiple of 64, over blocks of 16 positions
+/// (a float16 block widened once into a buffer in the core's cache). Scores: for each
+/// query head, the 16 keys' products with it stay in 16 registers, and one transposing
+/// reduction (45 instructions) turns them into one register of 16 scores, where a
+/// horizontal sum per score would take about 8 each. Values: groups of up to 4 query
+/// heads keep 4 × 64 dimensions of accumulators in registers over a block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by query head and block
-unsafe fn chunk_avx512(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
+unsafe fn chunk_avx512<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
     use std::arch::x86_64::*;
     let d = kv.head_dim;
     if !d.is_multiple_of(64) {
@@ -204,87 +227,177 @@ unsafe fn chunk_avx512(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::op
     }
     let n_rep = q.len() / d;
     let n = positions.len();
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
     let first = h * kv.capacity * d + positions.start * d;
     let (keys, values) = (&kv.keys[first..first + n * d], &kv.values[first..first + n * d]);
-    let mut scores = vec![0.0f32; n_rep * n];
-    // software prefetch a few KB ahead: each chunk is short, and the hardware prefetcher
-    // stops at page boundaries
-    const AHEAD: usize = 16;
-    let prefetch = |p: *const f32, bytes: usize| {
-        for line in (0..bytes).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>((p as *const i8).wrapping_add(line));
-        }
-    };
-    for i in 0..n {
-        let k = keys.as_ptr().add(i * d);
-        if i + AHEAD < n {
-            prefetch(k.add(AHEAD * d), 4 * d);
-        }
-        for r in 0..n_rep {
-            let qr = q.as_ptr().add(r * d);
-            let (mut a, mut b) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            for c in (0..d).step_by(32) {
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(k.add(c)), _mm512_loadu_ps(qr.add(c)), a);
-                b = _mm512_fmadd_ps(_mm512_loadu_ps(k.add(c + 16)), _mm512_loadu_ps(qr.add(c + 16)), b);
-            }
-            scores[r * n + i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
-        }
-    }
-    let mut parts = exponentiate(&mut scores, n, d);
-    for r0 in (0..n_rep).step_by(4) {
-        // a group of up to 4 query heads; a short group repeats its last head (not stored)
-        let rows: [usize; 4] = std::array::from_fn(|j| (r0 + j).min(n_rep - 1));
-        for c0 in (0..d).step_by(64) {
-            let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-            for i in 0..n {
-                let v = values.as_ptr().add(i * d + c0);
-                if i + AHEAD < n {
-                    prefetch(v.add(AHEAD * d), 256);
+    DECODE.with(|buffers| {
+        let (scores, block) = &mut *buffers.borrow_mut();
+        scores.clear();
+        scores.resize(n_rep * n, 0.0);
+        block.resize(LANES * d, 0.0);
+        // rows i0.. i0 + LANES of `src` as float32: in place, or widened (zero-padded past n)
+        let rows = |src: &[T], i0: usize, block: &mut Vec<f32>| -> *const f32 {
+            let m = LANES.min(n - i0);
+            let src = &src[i0 * d..(i0 + m) * d];
+            match T::as_f32(src) {
+                Some(s) if m == LANES => s.as_ptr(),
+                _ => {
+                    match T::as_f32(src) {
+                        Some(s) => block[..m * d].copy_from_slice(s),
+                        None => T::widen_into(src, &mut block[..m * d]),
+                    }
+                    block[m * d..].fill(0.0);
+                    block.as_ptr()
                 }
-                let vb = [_mm512_loadu_ps(v), _mm512_loadu_ps(v.add(16)), _mm512_loadu_ps(v.add(32)), _mm512_loadu_ps(v.add(48))];
-                for j in 0..4 {
-                    let w = _mm512_set1_ps(*scores.get_unchecked(rows[j] * n + i));
-                    for b in 0..4 {
-                        acc[j][b] = _mm512_fmadd_ps(w, vb[b], acc[j][b]);
+            }
+        };
+        for i0 in (0..n).step_by(LANES) {
+            let k = rows(keys, i0, block);
+            let m = LANES.min(n - i0);
+            {
+                let ahead = (i0 + PF_K * LANES).min(n) * d;
+                let end = (i0 + PF_K * LANES + LANES).min(n) * d;
+                let kp = keys.as_ptr() as *const i8;
+                for off in (ahead * size_of::<T>()..end * size_of::<T>()).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(kp.add(off));
+                }
+                let vp = values.as_ptr() as *const i8;
+                for off in (i0 * d * size_of::<T>()..(i0 + m) * d * size_of::<T>()).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T1>(vp.add(off));
+                }
+            }
+            for r in 0..n_rep {
+                let qr = q.as_ptr().add(r * d);
+                let mut acc = [_mm512_setzero_ps(); LANES];
+                for c in (0..d).step_by(16) {
+                    let qc = _mm512_loadu_ps(qr.add(c));
+                    for j in 0..LANES {
+                        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(k.add(j * d + c)), qc, acc[j]);
                     }
                 }
-            }
-            for j in 0..4.min(n_rep - r0) {
-                let out = parts[r0 + j].acc.as_mut_ptr().add(c0);
-                for b in 0..4 {
-                    _mm512_storeu_ps(out.add(16 * b), acc[j][b]);
+                let s = _mm512_mul_ps(reduce16(&acc), scale);
+                let out = scores.as_mut_ptr().add(r * n + i0);
+                if m == LANES {
+                    _mm512_storeu_ps(out, s);
+                } else {
+                    _mm512_mask_storeu_ps(out, ((1u32 << m) - 1) as u16, s);
                 }
             }
         }
+        let mut parts = exponentiate(scores, n, d);
+        for i0 in (0..n).step_by(LANES) {
+            let v = rows(values, i0, block);
+            // positions past n have zero rows (and their scores are never read)
+            let m = LANES.min(n - i0);
+            for r0 in (0..n_rep).step_by(4) {
+                match n_rep - r0 {
+                    1 => accumulate::<1>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                    2 => accumulate::<2>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                    3 => accumulate::<3>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                    _ => accumulate::<4>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                }
+            }
+        }
+        parts
+    })
+}
+
+/// Adds Σ over the block's `m` positions of weight × value row to the accumulators of
+/// `G` query heads (`parts[..G]`, whose weights are scores rows `r0..r0 + G`), 64
+/// dimensions at a time, held in registers over the block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn accumulate<const G: usize>(parts: &mut [Partial], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+    use std::arch::x86_64::*;
+    for c0 in (0..d).step_by(64) {
+        let mut acc = [[_mm512_setzero_ps(); 4]; G];
+        for g in 0..G {
+            for b in 0..4 {
+                acc[g][b] = _mm512_loadu_ps(parts[g].acc.as_ptr().add(c0 + 16 * b));
+            }
+        }
+        for i in 0..m {
+            let row = v.add(i * d + c0);
+            let vb = [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)), _mm512_loadu_ps(row.add(32)), _mm512_loadu_ps(row.add(48))];
+            for g in 0..G {
+                let w = _mm512_set1_ps(*scores.get_unchecked((r0 + g) * n + i0 + i));
+                for b in 0..4 {
+                    acc[g][b] = _mm512_fmadd_ps(w, vb[b], acc[g][b]);
+                }
+            }
+        }
+        for g in 0..G {
+            for b in 0..4 {
+                _mm512_storeu_ps(parts[g].acc.as_mut_ptr().add(c0 + 16 * b), acc[g][b]);
+            }
+        }
     }
-    parts
+}
+
+/// The sums of each of 16 registers' lanes, as one register (lane j: the sum of `x[j]`):
+/// pairs are interleaved and added, halving the registers at each of four steps.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn reduce16(x: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // 16 -> 8: within each 128-bit lane, [a, b, a, b] partial sums of x[2i], x[2i + 1]
+    let t: [__m512; 8] = std::array::from_fn(|i| {
+        let (a, b) = (x[2 * i], x[2 * i + 1]);
+        _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+    });
+    // 8 -> 4: within each 128-bit lane, [a, b, c, d] partial sums of x[4i..4i + 4]
+    let u: [__m512; 4] = std::array::from_fn(|i| {
+        let (a, b) = (_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+        _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)))
+    });
+    // 4 -> 2 -> 1: add 128-bit lanes (0 + 1, 2 + 3) of two registers side by side
+    let pair = |a: __m512, b: __m512| _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b));
+    pair(pair(u[0], u[1]), pair(u[2], u[3]))
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn chunk_avx2(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
+unsafe fn chunk_avx2<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
     chunk_portable(q, kv, h, positions)
 }
 
-/// The task itself; inlined into each instruction-set version.
+/// The task itself; inlined into each instruction-set version. A float16 chunk is widened
+/// into a buffer of the thread first.
 #[inline(always)]
-fn chunk_portable(q: &[f32], kv: &LayerKv<'_>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
+fn chunk_portable<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
     let d = kv.head_dim;
-    let n_rep = q.len() / d;
+    let first = (h * kv.capacity + positions.start) * d;
     let n = positions.len();
+    let (keys, values) = (&kv.keys[first..first + n * d], &kv.values[first..first + n * d]);
+    match (T::as_f32(keys), T::as_f32(values)) {
+        (Some(keys), Some(values)) => chunk_f32(q, keys, values, d),
+        _ => WIDE.with(|w| {
+            let (wk, wv) = &mut *w.borrow_mut();
+            wk.resize(n * d, 0.0);
+            wv.resize(n * d, 0.0);
+            T::widen_into(keys, wk);
+            T::widen_into(values, wv);
+            chunk_f32(q, wk, wv, d)
+        }),
+    }
+}
+
+/// The portable task over `keys` and `values`, (positions, d) each, as float32.
+#[inline(always)]
+fn chunk_f32(q: &[f32], keys: &[f32], values: &[f32], d: usize) -> Vec<Partial> {
+    let n_rep = q.len() / d;
+    let n = keys.len() / d;
     let scale = 1.0 / (d as f32).sqrt();
-    let base = h * kv.capacity * d;
     let mut scores = vec![0.0f32; n_rep * n];
-    for (i, p) in positions.clone().enumerate() {
-        let k = &kv.keys[base + p * d..][..d];
+    for (i, k) in keys.chunks_exact(d).enumerate() {
         for r in 0..n_rep {
             scores[r * n + i] = dot(&q[r * d..][..d], k) * scale;
         }
     }
     let mut parts = exponentiate(&mut scores, n, d);
-    for (i, p) in positions.enumerate() {
-        let v = &kv.values[base + p * d..][..d];
+    for (i, v) in values.chunks_exact(d).enumerate() {
         for (r, part) in parts.iter_mut().enumerate() {
             axpy(&mut part.acc, scores[r * n + i], v);
         }
@@ -424,16 +537,17 @@ fn softmax_prefix(s: &mut [f32], visible: usize) -> f32 {
 /// maximum and sum, with a zeroed accumulator of `d` values.
 #[inline(always)]
 fn exponentiate(scores: &mut [f32], n: usize, d: usize) -> Vec<Partial> {
-    scores
-        .chunks_exact_mut(n)
-        .map(|s| {
-            let max = max8(s);
-            for x in s.iter_mut() {
-                *x = exp_nonpositive(*x - max);
-            }
-            Partial { max, sum: sum8(s), acc: vec![0.0f32; d] }
-        })
-        .collect()
+    // plain loops: a closure (an iterator adapter's) would be compiled apart from the
+    // instruction-set version this is inlined into, without its SIMD
+    let mut parts = Vec::with_capacity(scores.len() / n.max(1));
+    for s in scores.chunks_exact_mut(n) {
+        let max = max8(s);
+        for x in s.iter_mut() {
+            *x = exp_nonpositive(*x - max);
+        }
+        parts.push(Partial { max, sum: sum8(s), acc: vec![0.0f32; d] });
+    }
+    parts
 }
 
 /// e^x for x <= 0 (a score minus the largest score), without a call to libm, so that a
@@ -598,7 +712,7 @@ mod tests {
             let half = LayerKv { keys: &k16, values: &v16, kv_heads, capacity, len, head_dim: d };
             let wide = LayerKv { keys: &k32, values: &v32, kv_heads, capacity, len, head_dim: d };
             let want = reference(&q, &wide);
-            let got = decode_attention_half(&q, &half);
+            let got = decode_attention(&q, &half);
             let err = got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
             assert!(err < 1e-5, "decode case {case}: max error {err}");
             // prefill: the last `seq` positions, each over the positions up to its own
@@ -634,9 +748,19 @@ mod tests {
     fn matches_float64_softmax_attention_on_every_path() {
         // (kv_heads, n_rep, head_dim, len, capacity): one chunk, several chunks with a
         // partial last one, a head dim that is not a multiple of 8, a single position; head
-        // dims of 64 and 128 with 3 and 5 query heads per KV head (the AVX-512 kernel's groups)
-        for (case, &(kv_heads, n_rep, d, len, capacity)) in
-            [(3, 3, 64, 100, 128), (2, 4, 32, 2 * CHUNK + 37, 700), (1, 5, 12, 5, 5), (4, 1, 16, 1, 64), (3, 3, 64, 2 * CHUNK + 37, 700), (2, 5, 128, CHUNK + 3, 300)]
+        // dims of 64 and 128 with 1, 2, 3, 5 and 8 query heads per KV head (the AVX-512
+        // kernel's groups of up to 4) and lengths below, at and past a block of 16
+        for (case, &(kv_heads, n_rep, d, len, capacity)) in [
+            (3, 3, 64, 100, 128),
+            (2, 4, 32, 2 * CHUNK + 37, 700),
+            (1, 5, 12, 5, 5),
+            (4, 1, 16, 1, 64),
+            (3, 3, 64, 2 * CHUNK + 37, 700),
+            (2, 5, 128, CHUNK + 3, 300),
+            (1, 8, 64, 16, 16),
+            (2, 2, 64, 17, 20),
+            (1, 1, 64, 3, 8),
+        ]
                 .iter()
                 .enumerate()
         {
@@ -645,24 +769,41 @@ mod tests {
             let q: Vec<f32> = random(kv_heads * n_rep * d, 200 + case as u64).iter().map(|x| 4.0 * x).collect();
             let kv = LayerKv { keys: &keys, values: &values, kv_heads, capacity, len, head_dim: d };
             let want = reference(&q, &kv);
-            let mut paths: Vec<(Kernel, Vec<f32>)> = Kernel::available()
-                .into_iter()
-                .map(|k| {
-                    let got = match k {
-                        #[cfg(target_arch = "x86_64")]
-                        Kernel::Avx512 => attend_with(&q, &kv, |q, kv, h, p| unsafe { chunk_avx512(q, kv, h, p) }),
-                        #[cfg(target_arch = "x86_64")]
-                        Kernel::Avx2 => attend_with(&q, &kv, |q, kv, h, p| unsafe { chunk_avx2(q, kv, h, p) }),
-                        _ => attend_with(&q, &kv, chunk_portable),
-                    };
-                    (k, got)
-                })
-                .collect();
-            paths.push((kernel(), decode_attention(&q, &kv)));
-            for (path, got) in paths {
-                let err = got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
-                assert!(err < 1e-5, "case {case} on {path:?}: max error {err}");
-            }
+            check_every_path(&q, &kv, &want, &format!("case {case}, float32"));
+            // the same numbers rounded to float16, against float64 over the rounded values
+            let (k16, k32) = rounded(&keys);
+            let (v16, v32) = rounded(&values);
+            let half = LayerKv { keys: &k16, values: &v16, kv_heads, capacity, len, head_dim: d };
+            let want = reference(&q, &LayerKv { keys: &k32, values: &v32, ..kv });
+            check_every_path(&q, &half, &want, &format!("case {case}, float16"));
+        }
+    }
+
+    fn rounded(v: &[f32]) -> (Vec<f16>, Vec<f32>) {
+        let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+        let f = h.iter().map(|x| x.to_f32()).collect();
+        (h, f)
+    }
+
+    /// Each chunk kernel the CPU can run, and the dispatched one, against `want`.
+    fn check_every_path<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, want: &[f64], what: &str) {
+        let mut paths: Vec<(Kernel, Vec<f32>)> = Kernel::available()
+            .into_iter()
+            .map(|k| {
+                let got = match k {
+                    #[cfg(target_arch = "x86_64")]
+                    Kernel::Avx512 => attend_with(q, kv, |q, kv, h, p| unsafe { chunk_avx512(q, kv, h, p) }),
+                    #[cfg(target_arch = "x86_64")]
+                    Kernel::Avx2 => attend_with(q, kv, |q, kv, h, p| unsafe { chunk_avx2(q, kv, h, p) }),
+                    _ => attend_with(q, kv, chunk_portable),
+                };
+                (k, got)
+            })
+            .collect();
+        paths.push((kernel(), decode_attention(q, kv)));
+        for (path, got) in paths {
+            let err = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
+            assert!(err < 1e-5, "{what} on {path:?}: max error {err}");
         }
     }
 }

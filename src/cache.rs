@@ -17,7 +17,7 @@ use half::slice::HalfFloatSliceExt;
 
 use candle_core::{DType, Device, Storage, Tensor};
 
-use crate::attention::{decode_attention, decode_attention_half, prefill_attention, prefill_attention_half, LayerKv};
+use crate::attention::{decode_attention, prefill_attention, prefill_attention_half, LayerKv};
 
 /// One layer's cached keys and values read in place, by storage type.
 enum Kv<'a> {
@@ -246,7 +246,7 @@ impl KvCache {
     pub(crate) fn attend_one(&self, layer: usize, q: &[f32], len: usize) -> Result<Option<Vec<f32>>> {
         self.with_layer(layer, len, |kv| match kv {
             Kv::F32(kv) => decode_attention(q, kv),
-            Kv::F16(kv) => decode_attention_half(q, kv),
+            Kv::F16(kv) => decode_attention(q, kv),
         })
     }
 
