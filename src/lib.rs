@@ -2,6 +2,7 @@
 //! control. The engine modules are plain Rust; the Python bindings live in `bindings`.
 
 pub mod attention;
+pub mod blocks;
 pub mod cache;
 pub mod cache_file;
 pub mod config;

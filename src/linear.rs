@@ -15,6 +15,7 @@ use std::sync::RwLockReadGuard;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Module, Result, Storage, Tensor};
 
+use crate::blocks::Format;
 use crate::matvec;
 use crate::qmatvec::{QInput, QKind, QMatrix};
 use crate::team::{Shards, Team};
@@ -31,14 +32,15 @@ impl Linear {
         Self::Float(candle_nn::Linear::new(weight, None))
     }
 
-    /// Q4_1 and Q8_0 blocks are kept; other block types are dequantized to `dtype` on
-    /// `device` and run as a float layer.
+    /// GGUF blocks are kept (Q4_1 and Q8_0 repacked with float32 scales for their
+    /// integer kernels, the other block types byte for byte); float types and anything
+    /// off the CPU or for a non-float32 model are dequantized to `dtype` on `device`.
     pub fn quantized(weight: &QTensor, dtype: DType, device: &Device) -> Result<Self> {
         let (rows, cols) = weight.shape().dims2()?;
         let kind = match weight.dtype() {
             GgmlDType::Q4_1 => Some(QKind::Q4_1),
             GgmlDType::Q8_0 => Some(QKind::Q8_0),
-            _ => None,
+            t => Format::from_ggml(t).map(QKind::Blocks),
         };
         if let (Some(kind), true, true) = (kind, device.is_cpu(), dtype == DType::F32) {
             if let Some(m) = QMatrix::new(kind, rows, cols, &weight.data()?) {

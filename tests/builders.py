@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import gguf
 import numpy as np
@@ -90,10 +91,10 @@ def hf_config(s: Shape) -> dict:
     }
 
 
-def write_hf_dir(directory: Path, s: Shape, *, shards: int = 1, seed: int = 0) -> Path:
+def write_hf_dir(directory: Path, s: Shape, *, shards: int = 1, seed: int = 0, weights: Optional[dict[str, np.ndarray]] = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config(s)))
-    weights = tiny_weights(s, seed)
+    weights = tiny_weights(s, seed) if weights is None else weights
     if shards == 1:
         save_file(weights, str(directory / "model.safetensors"))
         return directory
@@ -127,9 +128,30 @@ GGUF_NAMES = {
 }
 
 
-def write_gguf(path, s: Shape, *, arch: str = "llama", seed: int = 0, tokenizer: str = "gpt2"):
-    """A tiny GGUF file with llama.cpp's q/k row order and a byte-level tokenizer of kind ``tokenizer``."""
-    w = tiny_weights(s, seed)
+def write_gguf(
+    path,
+    s: Shape,
+    *,
+    arch: str = "llama",
+    seed: int = 0,
+    tokenizer: str = "gpt2",
+    weights: Optional[dict[str, np.ndarray]] = None,
+    blocks: Optional[dict[str, tuple[np.ndarray, str]]] = None,
+):
+    """A tiny GGUF file with llama.cpp's q/k row order and a byte-level tokenizer of kind
+    ``tokenizer``; ``blocks`` (Hugging Face name -> (block bytes, type), from
+    :func:`quantized_weights`) are written as GGUF blocks instead of float32."""
+    w = tiny_weights(s, seed) if weights is None else weights
+    blocks = blocks or {}
+
+    def add(name: str, hf: str, t: np.ndarray, permute_heads: int = 0) -> None:
+        if hf in blocks:
+            data, qtype = blocks[hf]
+            data = permute_like_llama_cpp(data, permute_heads) if permute_heads else data
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        else:
+            writer.add_tensor(name, permute_like_llama_cpp(t, permute_heads) if permute_heads else t)
+
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(s.layers)
     writer.add_context_length(s.max_pos)
@@ -150,20 +172,62 @@ def write_gguf(path, s: Shape, *, arch: str = "llama", seed: int = 0, tokenizer:
     writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", w["model.norm.weight"])
     if not s.tie:
-        writer.add_tensor("output.weight", w["lm_head.weight"])
+        add("output.weight", "lm_head.weight", w["lm_head.weight"])
     for i in range(s.layers):
         for hf, g in GGUF_NAMES.items():
-            t = w[f"model.layers.{i}.{hf}.weight"]
-            if g == "attn_q":
-                t = permute_like_llama_cpp(t, s.heads)
-            elif g == "attn_k":
-                t = permute_like_llama_cpp(t, s.kv_heads)
-            writer.add_tensor(f"blk.{i}.{g}.weight", t)
+            name = f"model.layers.{i}.{hf}.weight"
+            heads = {"attn_q": s.heads, "attn_k": s.kv_heads}.get(g, 0)
+            add(f"blk.{i}.{g}.weight", name, w[name], heads)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# The GGUF block types kvcandle keeps as stored (Q4_1 and Q8_0 repacked).
+BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+# gguf-py quantizes the 32-value types but not the K-quants; every bit pattern of a
+# K-quant block is a valid block, so those are random bytes with their half-precision
+# scale fields (byte offset -> value) set to give weights of about +-0.1.
+K_SCALES = {
+    "Q2_K": {80: 2e-3, 82: 3e-3},
+    "Q3_K": {108: 8e-4},
+    "Q4_K": {0: 1e-4, 2: 8e-4},
+    "Q5_K": {0: 5e-5, 2: 8e-4},
+    "Q6_K": {208: 2.5e-5},
+}
+
+
+def quantized_weights(s: Shape, qtype: str, seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, str]]]:
+    """A tiny model whose linear layers (and untied lm_head) are blocks of ``qtype``:
+    (float32 weights with those layers dequantized by gguf-py, {name: (block bytes per
+    row, qtype)}). Write the first with :func:`write_hf_dir` (the reference) and both
+    with :func:`write_gguf`."""
+    from gguf import quants
+
+    rng = np.random.default_rng(seed)
+    t = gguf.GGMLQuantizationType[qtype]
+    per, size = gguf.GGML_QUANT_SIZES[t]
+    floats = tiny_weights(s, seed)
+    blocks = {}
+    for name, w in list(floats.items()):
+        if w.ndim != 2 or name == "model.embed_tokens.weight":
+            continue
+        rows, cols = w.shape
+        if qtype in K_SCALES:
+            data = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+            for at, v in K_SCALES[qtype].items():
+                data[:, :, at : at + 2] = np.frombuffer(np.float16(v).tobytes(), dtype=np.uint8)
+            data = data.reshape(rows, -1)
+        else:
+            # a quarter of tiny_weights' scale: trained models' size (about 0.05), as the
+            # K-quant blocks above; at 0.2 the random layers amplify any rounding chaotically
+            data = quants.quantize(0.25 * w, t)
+        blocks[name] = (data, qtype)
+        floats[name] = quants.dequantize(data, t).astype(np.float32).reshape(rows, cols)
+    return floats, blocks
 
 
 def float64_reference(path):

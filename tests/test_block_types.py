@@ -1,0 +1,87 @@
+"""Every GGUF block type kvcandle keeps (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K): a
+tiny model whose linear layers and lm_head are blocks of that type, loaded with
+``quantized=True``, against transformers in float64 on the same weights dequantized by
+gguf-py (an independent reading of the formats).
+
+- Prompts of more than 8 tokens dequantize tiles of blocks and multiply in float32: the
+  float parity bound holds.
+- Single-token steps multiply the blocks with int8 activations (as llama.cpp does):
+  each activation is rounded to 1/254 of its block's largest, so logits move by up to
+  about a per cent of their range; the bound is stated relative to that range.
+- The blocks are kept: the weights held are the file's tensor bytes (Q4_1 and Q8_0:
+  repacked with float32 scales, a little more).
+- fork and crop stay exact.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+import kvcandle
+from builders import BLOCK_TYPES, Shape, float64_reference, max_abs, quantized_weights, ref_logits, write_gguf, write_hf_dir
+
+# K-quant blocks hold 256 values: every input width a multiple of 256
+SHAPE = Shape("blocks", hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2, max_pos=64)
+IDS = [5, 17, 3, 99, 42, 8, 61, 23, 70, 11, 4, 88, 36, 50]
+PARITY = 1e-4  # float32 paths against float64, as for float models
+INT8_ACTIVATIONS = 2e-2  # of the logits' range; measured worst 0.56 % (Q5_1), K-quants 0.25-0.34 %
+
+
+@pytest.fixture(scope="module", params=BLOCK_TYPES)
+def case(request, tmp_path_factory):
+    qtype = request.param
+    d = tmp_path_factory.mktemp(qtype)
+    floats, blocks = quantized_weights(SHAPE, qtype, seed=3)
+    path = write_gguf(d / f"{qtype}.gguf", SHAPE, weights=floats, blocks=blocks)
+    ref = float64_reference(write_hf_dir(d / "hf", SHAPE, weights=floats))
+    return qtype, path, kvcandle.load(path, quantized=True), ref_logits(ref, IDS)
+
+
+def test_blocks_are_kept(case):
+    qtype, path, model, _ = case
+    assert model.quantized
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    if qtype in ("Q4_1", "Q8_0"):
+        # repacked: float32 instead of float16 scales
+        assert file_bytes < model.weight_bytes <= 1.2 * file_bytes
+    else:
+        assert model.weight_bytes == file_bytes
+
+
+def test_prefill_from_dequantized_tiles_matches_float64(case):
+    qtype, _, model, want = case
+    got = model.forward(IDS, all_logits=True)
+    err = max_abs(got, want)
+    print(f"{qtype}: prefill vs float64 {err:.2e}")
+    assert err <= PARITY
+
+
+def test_decode_steps_on_blocks_match_float64(case):
+    qtype, _, model, want = case
+    cache = model.new_cache()
+    got = np.stack([model.forward([t], cache) for t in IDS])
+    span = float(want.max() - want.min())
+    err = max_abs(got, want)
+    print(f"{qtype}: decode vs float64 {err:.2e} ({err / span:.2%} of the logits' range)")
+    assert err <= INT8_ACTIVATIONS * span
+    # the top token agrees wherever float64's top two are further apart than the error
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * err
+    assert clear.sum() >= len(IDS) // 2
+    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+
+
+def test_fork_and_crop_stay_exact(case):
+    _, _, model, _ = case
+    base = model.new_cache()
+    model.forward(IDS[:4], base)
+    branch = base.fork()
+    a = [model.forward([t], base) for t in IDS[4:7]]
+    b = [model.forward([t], branch) for t in IDS[8:11]]
+    fresh = model.new_cache()
+    model.forward(IDS[:4], fresh)
+    assert all(np.array_equal(x, model.forward([t], fresh)) for x, t in zip(a, IDS[4:7]))
+    base.crop(4)
+    assert all(np.array_equal(x, model.forward([t], base)) for x, t in zip(b, IDS[8:11]))
