@@ -128,13 +128,27 @@ GGUF_NAMES = {
 }
 
 
+@dataclass(frozen=True)
+class Vocabulary:
+    """A GGUF tokenizer as llama.cpp writes one: ``kind`` "gpt2" or "llama", the tokens
+    (ids 1 and 2 are BOS and EOS), llama.cpp's token types, and what the kind uses."""
+
+    kind: str
+    tokens: list[str]
+    types: list[int]
+    scores: Optional[list[float]] = None
+    merges: Optional[list[str]] = None
+    pre: Optional[str] = None
+    add_bos: Optional[bool] = None
+
+
 def write_gguf(
     path,
     s: Shape,
     *,
     arch: str = "llama",
     seed: int = 0,
-    tokenizer: str = "gpt2",
+    tokenizer: "str | Vocabulary" = "gpt2",
     weights: Optional[dict[str, np.ndarray]] = None,
     blocks: Optional[dict[str, tuple[np.ndarray, str]]] = None,
 ):
@@ -162,11 +176,26 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(s.theta)
     writer.add_rope_dimension_count(s.head_dim)
-    alphabet = [chr(c) for c in range(ord("!"), ord("!") + s.vocab - 3)]
-    writer.add_tokenizer_model(tokenizer)
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + alphabet)
-    writer.add_token_types([3, 3, 3] + [1] * len(alphabet))
-    writer.add_token_merges([])
+    if isinstance(tokenizer, Vocabulary):
+        v = tokenizer
+        assert len(v.tokens) == s.vocab, "the shape's vocab must be the vocabulary's size"
+        writer.add_tokenizer_model(v.kind)
+        writer.add_token_list(v.tokens)
+        writer.add_token_types(v.types)
+        if v.scores is not None:
+            writer.add_token_scores(v.scores)
+        if v.merges is not None:
+            writer.add_token_merges(v.merges)
+        if v.pre is not None:
+            writer.add_tokenizer_pre(v.pre)
+        if v.add_bos is not None:
+            writer.add_add_bos_token(v.add_bos)
+    else:
+        alphabet = [chr(c) for c in range(ord("!"), ord("!") + s.vocab - 3)]
+        writer.add_tokenizer_model(tokenizer)
+        writer.add_token_list(["<unk>", "<s>", "</s>"] + alphabet)
+        writer.add_token_types([3, 3, 3] + [1] * len(alphabet))
+        writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])

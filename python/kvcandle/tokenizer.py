@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
-from tokenizers import AddedToken, Tokenizer as _HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer as _HFTokenizer, decoders, models, pre_tokenizers
 
 from ._checks import as_int, show
 from ._ids import as_ids
@@ -28,12 +28,26 @@ _KIND = "tokenizer.ggml.model"
 _TOKENS = "tokenizer.ggml.tokens"
 _TYPES = "tokenizer.ggml.token_type"
 _MERGES = "tokenizer.ggml.merges"
+_SCORES = "tokenizer.ggml.scores"
+_PRE = "tokenizer.ggml.pre"
+_ADD_SPACE = "tokenizer.ggml.add_space_prefix"
 _BOS = "tokenizer.ggml.bos_token_id"
 _EOS = "tokenizer.ggml.eos_token_id"
 _ADD_BOS = "tokenizer.ggml.add_bos_token"
 _TEMPLATE = "tokenizer.chat_template"
 
 Source = Union[str, Path]
+
+# How byte-level ("gpt2") vocabularies split text before their merges, by the
+# pre-tokenizer name llama.cpp writes (tokenizer.ggml.pre), for the Llama-family models:
+# Llama 3's split; every other name (SmolLM's "smollm", "default", "gpt-2") takes GPT-2's
+# split, as transformers' GGUF conversion does.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT}
+_GPT2_SPLIT_NAMES = {"default", "gpt-2", "gpt2", "smollm"}
 
 
 def _load_error(source: Source, field: Optional[str], reason: str) -> ModelLoadError:
@@ -64,6 +78,10 @@ def _is_str(value: object) -> bool:
 
 def _is_int(value: object) -> bool:
     return as_int(value) is not None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_bool(value: object) -> bool:
@@ -165,6 +183,86 @@ def _byte_alphabet() -> dict[int, str]:
             spelling[b] = chr(256 + extra)
             extra += 1
     return spelling
+
+
+def _checked_merges(merge_list: list[str], vocab: dict[str, int], source: Source) -> list[tuple[str, str]]:
+    merges: list[tuple[str, str]] = []
+    for i, m in enumerate(merge_list):
+        pair = m.split(" ")
+        if len(pair) != 2 or not pair[0] or not pair[1]:
+            raise _load_error(source, f"{_MERGES}[{i}]", f"must be two tokens separated by one space, got {show(m)}")
+        a, b = pair
+        if a not in vocab or b not in vocab or a + b not in vocab:  # the backend would fail (or panic) without the index
+            missing = next(t for t in (a, b, a + b) if t not in vocab)
+            raise _load_error(source, f"{_MERGES}[{i}]", f"{show(m)} needs the token {show(missing)}, which is not in {_TOKENS}")
+        merges.append((a, b))
+    return merges
+
+
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], source: Source) -> tuple[_HFTokenizer, Callable[[str], bool]]:
+    """A "gpt2" vocabulary: byte-level BPE, text split as its pre-tokenizer name says."""
+    alphabet = _byte_alphabet()
+    letters = set(alphabet.values())
+
+    def spell(token: str) -> str:
+        # Tokens written outside the byte alphabet are respelled byte by byte.
+        return token if set(token) <= letters else "".join(alphabet[b] for b in token.encode("utf-8"))
+
+    vocab = {spell(t): i for i, t in enumerate(tokens)}
+    merges = _checked_merges(_gguf_list(meta, _MERGES, source, _is_str, "str") or [], vocab, source)
+    with _backend_errors(source, _MERGES):
+        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = _gguf_value(meta, _PRE, source, _is_str, "a str")
+    split = _SPLITS.get(pre) if pre is not None else None
+    if split is not None:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    else:
+        if pre is not None and pre not in _GPT2_SPLIT_NAMES:
+            warnings.warn(f"{source}: GGUF pre-tokenizer {pre!r} ({_PRE}) is not one kvcandle knows; text is split as GPT-2 splits it", KVCandleWarning, stacklevel=4)
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    return backend, lambda t: set(t) <= letters
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies: every split of a token into two
+    tokens, ranked by the whole token's score (best first), then by the longer left and
+    right parts, then by the parts' ids (transformers' ``generate_merges`` order)."""
+    index = {t: i for i, t in enumerate(tokens)}
+    found: list[tuple[float, str, str]] = []
+    for token, score in zip(tokens, scores):
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in index and token[k:] in index]
+        pairs.sort(key=lambda p: (index[p[0]], index[p[1]]))
+        found.extend((score, a, b) for a, b in pairs)
+    found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(a, b) for _, a, b in found]
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], source: Source) -> tuple[_HFTokenizer, Callable[[str], bool]]:
+    """A "llama" vocabulary (SentencePiece BPE, as Llama 1/2, TinyLlama and Mistral): a
+    space is "▁" and one is put before the text; characters not in the vocabulary become
+    their UTF-8 bytes' tokens (<0x..>); merges from the file, or from the scores."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merge_list = _gguf_list(meta, _MERGES, source, _is_str, "str")
+    if merge_list is not None:
+        merges = _checked_merges(merge_list, vocab, source)
+    else:
+        scores = _gguf_list(meta, _SCORES, source, _is_number, "float")
+        if scores is None:
+            raise _load_error(source, _SCORES, "is missing (a SentencePiece vocabulary without merges needs its scores)")
+        if len(scores) != len(tokens):
+            raise _load_error(source, _SCORES, f"has {len(scores)} entries for {len(tokens)} tokens")
+        merges = _merges_from_scores(tokens, [float(x) for x in scores])
+    with _backend_errors(source, _MERGES):
+        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    prefix = _gguf_value(meta, _ADD_SPACE, source, _is_bool, "a bool")
+    prefix = True if prefix is None else prefix
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
+    return backend, lambda t: True
 
 
 @lru_cache(maxsize=8)
@@ -285,8 +383,10 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], *, source: Source = "GGUF metadata") -> Optional["Tokenizer"]:
-        """Builds the tokenizer a GGUF file describes, or None (with a warning) for a
-        tokenizer kind kvcandle does not build yet.
+        """Builds the tokenizer a GGUF file describes: "gpt2" (byte-level BPE, text split
+        as its pre-tokenizer name says: Llama 3's split or GPT-2's) or "llama"
+        (SentencePiece BPE with byte fallback: Llama 1/2, TinyLlama, Mistral); None (with
+        a warning) for a kind kvcandle does not build yet.
 
         Args:
             meta: the file's ``tokenizer.*`` (and ``general.*``) metadata.
@@ -299,7 +399,7 @@ class Tokenizer:
                 names ``source`` and the field.
         """
         kind = _gguf_value(meta, _KIND, source, _is_str, "a str")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             warnings.warn(f"GGUF tokenizer kind {kind!r} is not supported yet; model.tokenizer is None", KVCandleWarning, stacklevel=3)
             return None
         tokens: Optional[list[str]] = _gguf_list(meta, _TOKENS, source, _is_str, "str")
@@ -316,39 +416,19 @@ class Tokenizer:
             types = [1] * len(tokens)
         elif len(types) != len(tokens):
             raise _load_error(source, _TYPES, f"has {len(types)} entries for {len(tokens)} tokens")
-        merge_list: list[str] = _gguf_list(meta, _MERGES, source, _is_str, "str") or []
         bos = _gguf_token_id(meta, _BOS, source, len(tokens))
         eos = _gguf_token_id(meta, _EOS, source, len(tokens))
         add_bos = _gguf_value(meta, _ADD_BOS, source, _is_bool, "a bool")
         template = _gguf_value(meta, _TEMPLATE, source, _is_str, "a str")
-
-        alphabet = _byte_alphabet()
-        letters = set(alphabet.values())
-
-        def spell(token: str) -> str:
-            # Tokens written outside the byte alphabet are respelled byte by byte.
-            return token if set(token) <= letters else "".join(alphabet[b] for b in token.encode("utf-8"))
-
-        vocab = {spell(t): i for i, t in enumerate(tokens)}
-        merges: list[tuple[str, str]] = []
-        for i, m in enumerate(merge_list):
-            pair = m.split(" ")
-            if len(pair) != 2 or not pair[0] or not pair[1]:
-                raise _load_error(source, f"{_MERGES}[{i}]", f"must be two tokens separated by one space, got {show(m)}")
-            a, b = pair
-            if a not in vocab or b not in vocab or a + b not in vocab:  # the backend would fail (or panic) without the index
-                missing = next(t for t in (a, b, a + b) if t not in vocab)
-                raise _load_error(source, f"{_MERGES}[{i}]", f"{show(m)} needs the token {show(missing)}, which is not in {_TOKENS}")
-            merges.append((a, b))
-        with _backend_errors(source, _MERGES):
-            backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        backend.decoder = decoders.ByteLevel()
-        special = [
-            AddedToken(t, normalized=False, special=True)
-            for t, ty in zip(tokens, types)
-            if ty == _CONTROL and set(t) <= letters
-        ]
+        if kind == "gpt2":
+            backend, spelled = _byte_level_bpe(meta, tokens, source)
+        else:
+            backend, spelled = _sentencepiece_bpe(meta, tokens, source)
+            # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary unless told not to
+            add_bos = True if add_bos is None else add_bos
+        # control tokens written in the text become their ids; in a byte-level vocabulary a
+        # "control" token spelled outside the byte alphabet is a mislabel, left out
+        special = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == _CONTROL and spelled(t)]
         user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
         with _backend_errors(source, _TOKENS):
             backend.add_special_tokens(special)

@@ -1,0 +1,116 @@
+"""The tokenizers a GGUF file describes, built by kvcandle from its metadata, against
+transformers' own GGUF tokenizer conversion of the same file (AutoTokenizer with
+``gguf_file=``): ids and decoded text on texts with special tokens, whitespace runs, CJK,
+emoji and characters only bytes can spell.
+
+- "llama": SentencePiece BPE with byte fallback (Llama 1/2, TinyLlama, Mistral), merges
+  recovered from the scores.
+- "gpt2": byte-level BPE, text split by the pre-tokenizer the file names (Llama 3's
+  "llama-bpe" split, and GPT-2's for "smollm" or none).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import kvcandle
+from builders import Shape, Vocabulary, write_gguf
+
+TEXTS = [
+    "the thin hat",
+    "The world is and",
+    "  two leading spaces",
+    "tabs\tand\nnewlines\n\n\n",
+    "你好，世界",
+    "emoji 😀 here",
+    "<s>inside</s> text",
+    "<|user|>hi<|end|>",
+    "numbers 12345 and 1,000",
+    "it's IT'S they'll",
+    "",
+    " ",
+    "trailing   ",
+]
+
+SPACE = "\u2581"
+
+
+def sentencepiece() -> Vocabulary:
+    pieces = [SPACE] + list("thenisaorwdlcumgTHNW12345,") + ["你", "好"]
+    pieces += [SPACE + "t", "th", "he", SPACE + "th", SPACE + "the", "in", SPACE + "in", "is", SPACE + "is", SPACE + "a", "an"]
+    pieces += [SPACE + "an", "and", SPACE + "and", SPACE * 2, SPACE * 4, "er", "on", "你好", "12", "123", SPACE + "w", "or", "ld"]
+    pieces += [SPACE + "wor", SPACE + "world", "<|user|>", "<|end|>"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 2) + [4, 3]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    return Vocabulary("llama", tokens, types, scores=scores)
+
+
+def byte_level(pre) -> Vocabulary:
+    from kvcandle.tokenizer import _byte_alphabet
+
+    letters = list(_byte_alphabet().values())
+    merges = ["Ġ t", "h e", "Ġt he", "1 2", "3 4", "12 3", "4 5", "i n", "Ġ in", "' s", "Ċ Ċ", "Ġ Ġ", "ĠĠ ĠĠ"]
+    merged = [m.replace(" ", "") for m in merges]
+    special = ["<|pad|>", "<|begin_of_text|>", "<|eot_id|>", "<|user|>", "<|end|>"]
+    tokens = special[:3] + letters + merged + special[3:]
+    types = [3, 3, 3] + [1] * (len(letters) + len(merged)) + [4, 3]
+    return Vocabulary("gpt2", tokens, types, merges=merges, pre=pre)
+
+
+def build(tmp_path, name: str, vocab: Vocabulary):
+    from transformers import AutoTokenizer
+
+    path = write_gguf(tmp_path / f"{name}.gguf", Shape(name, vocab=len(vocab.tokens), hidden=32, heads=4, kv_heads=2), tokenizer=vocab)
+    return kvcandle.load(path).tokenizer, AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+
+
+@pytest.mark.parametrize(
+    "name,vocab",
+    [
+        ("sentencepiece", sentencepiece()),
+        ("llama3", byte_level("llama-bpe")),
+        ("smollm", byte_level("smollm")),
+        ("no_pre", byte_level(None)),
+    ],
+)
+def test_same_ids_and_text_as_transformers(tmp_path, name, vocab):
+    ours, theirs = build(tmp_path, name, vocab)
+    assert ours is not None
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), f"{name}: {text!r}"
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False), f"{name}: {text!r}"
+        assert ours.decode(ids) == theirs.decode(ids), f"{name}: {text!r}"
+
+
+def test_the_split_follows_the_pre_tokenizer(tmp_path):
+    # "12345": Llama 3 splits digits in threes ("123" "45"); GPT-2 keeps the run, and the
+    # merge "3 4" then comes before "12 3"
+    llama3, _ = build(tmp_path, "a", byte_level("llama-bpe"))
+    gpt2, _ = build(tmp_path, "b", byte_level("smollm"))
+    spell = lambda tok, text: [tok.id_to_token(i) for i in tok.encode(text)]  # noqa: E731
+    assert spell(llama3, "12345") == ["123", "45"]
+    assert spell(gpt2, "12345") == ["12", "34", "5"]
+
+
+def test_sentencepiece_adds_bos_and_falls_back_to_bytes(tmp_path):
+    tok, _ = build(tmp_path, "sp", sentencepiece())
+    ids = tok.encode("你好世")
+    assert ids[0] == tok.bos_token_id == 1
+    assert [tok.id_to_token(i) for i in ids[1:]] == [SPACE, "你好", "<0xE4>", "<0xB8>", "<0x96>"]
+    assert tok.decode(ids, skip_special_tokens=True) == "你好世"
+
+
+def test_unknown_pre_tokenizer_warns(tmp_path):
+    path = write_gguf(tmp_path / "x.gguf", Shape("x", vocab=len(byte_level("qwen2").tokens), hidden=32, heads=4, kv_heads=2), tokenizer=byte_level("qwen2"))
+    with pytest.warns(kvcandle.KVCandleWarning, match="pre-tokenizer 'qwen2'"):
+        assert kvcandle.load(path).tokenizer is not None
+
+
+def test_sentencepiece_without_scores_or_merges_is_refused(tmp_path):
+    v = sentencepiece()
+    bad = Vocabulary("llama", v.tokens, v.types)
+    path = write_gguf(tmp_path / "bad.gguf", Shape("bad", vocab=len(v.tokens), hidden=32, heads=4, kv_heads=2), tokenizer=bad)
+    with pytest.raises(kvcandle.ModelLoadError, match="tokenizer.ggml.scores"):
+        kvcandle.load(path)
