@@ -461,6 +461,7 @@ impl ModelDims {
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
             rope_scaling: None,
+            rope_freq_factors: None,
         }
     }
 }

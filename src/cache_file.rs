@@ -265,6 +265,7 @@ mod tests {
             bos_token_id: None,
             eos_token_ids: vec![],
             rope_scaling: None,
+            rope_freq_factors: None,
         };
         let tensors = tensor_table(&config)
             .into_iter()

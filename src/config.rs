@@ -19,8 +19,12 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
-    /// Llama 3 style frequency scaling, as in candle-transformers' config.
+    /// Llama 3 style frequency scaling, as in candle-transformers' config (from a
+    /// Hugging Face `config.json`).
     pub rope_scaling: Option<Llama3RopeConfig>,
+    /// The same scaling as llama.cpp stores it in a GGUF file: a divisor per frequency
+    /// (`rope_freqs.weight`, head_dim / 2 of them).
+    pub rope_freq_factors: Option<Vec<f32>>,
 }
 
 /// No dimension of a real Llama model comes near this (the largest use 128k-256k
@@ -93,6 +97,14 @@ impl ModelConfig {
                 return Err("rope_scaling.original_max_position_embeddings must be positive, got 0".into());
             }
         }
+        if let Some(f) = &self.rope_freq_factors {
+            if f.len() != self.head_dim / 2 {
+                return Err(format!("rope_freqs.weight has {} factors, head_dim {} needs {}", f.len(), self.head_dim, self.head_dim / 2));
+            }
+            if let Some((i, x)) = f.iter().enumerate().find(|(_, x)| !(x.is_finite() && **x > 0.0)) {
+                return Err(format!("rope_freqs.weight[{i}] must be a positive number, got {x}"));
+            }
+        }
         Ok(())
     }
 
@@ -104,6 +116,9 @@ impl ModelConfig {
     /// candle-transformers' config for its own `Llama`. That model derives the head dim as
     /// hidden_size / num_attention_heads, so other head dims cannot be expressed.
     pub fn to_upstream(&self) -> std::result::Result<UpstreamConfig, String> {
+        if self.rope_freq_factors.is_some() {
+            return Err("candle's Llama takes Llama 3 RoPE scaling from a config.json, not a GGUF file's rope_freqs.weight".into());
+        }
         if self.hidden_size != self.head_dim * self.num_attention_heads {
             return Err(format!(
                 "candle's Llama assumes head_dim = hidden_size / num_attention_heads, but this model has head_dim {} with hidden_size {} and {} heads",

@@ -58,8 +58,9 @@ fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f32> {
     let d = cfg.head_dim;
     let base: Vec<f32> =
         (0..d).step_by(2).map(|i| 1.0 / cfg.rope_theta.powf(i as f32 / d as f32)).collect();
-    match &cfg.rope_scaling {
-        Some(s) if matches!(s.rope_type, Llama3RopeType::Llama3) => base.into_iter().map(|f| llama3_scale(f, s)).collect(),
+    match (&cfg.rope_freq_factors, &cfg.rope_scaling) {
+        (Some(factors), _) => base.iter().zip(factors).map(|(f, k)| f / k).collect(),
+        (None, Some(s)) if matches!(s.rope_type, Llama3RopeType::Llama3) => base.into_iter().map(|f| llama3_scale(f, s)).collect(),
         _ => base,
     }
 }

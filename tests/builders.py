@@ -27,6 +27,8 @@ class Shape:
     tie: bool = False
     max_pos: int = 64
     theta: float = 10000.0
+    # Llama 3.1 RoPE scaling: (factor, low_freq_factor, high_freq_factor, original context)
+    llama3_rope: Optional[tuple[float, float, float, int]] = None
 
     @property
     def head_dim(self) -> int:
@@ -38,6 +40,11 @@ SHAPES = [
     Shape("mha_tied", hidden=32, heads=4, kv_heads=4, tie=True),
     Shape("odd_heads", hidden=36, heads=9, kv_heads=3, layers=3, tie=True),  # SmolLM2's 9/3, head_dim 4
     Shape("mqa_odd", hidden=40, heads=5, kv_heads=1, intermediate=56),  # one KV head, 5 query heads
+    # Llama 3.1 / 3.2: theta 500,000 and "llama3" RoPE scaling (an original context of 256
+    # puts the 4 frequencies of head_dim 8 on every branch of the formula); untied and tied
+    Shape("llama3", hidden=64, heads=8, kv_heads=2, intermediate=96, theta=500000.0, max_pos=512, llama3_rope=(8.0, 1.0, 32.0, 256)),
+    Shape("llama32_tied", hidden=48, heads=6, kv_heads=2, tie=True, theta=500000.0, max_pos=512, llama3_rope=(32.0, 1.0, 32.0, 256)),
+    Shape("tinyllama", hidden=64, heads=8, kv_heads=1, intermediate=96),  # TinyLlama's 8 query heads per KV head
 ]
 
 
@@ -85,6 +92,7 @@ def hf_config(s: Shape) -> dict:
         "rms_norm_eps": 1e-5,
         "rope_theta": s.theta,
         "tie_word_embeddings": s.tie,
+        "rope_scaling": None if s.llama3_rope is None else dict(zip(("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), s.llama3_rope), rope_type="llama3"),
         "bos_token_id": 1,
         "eos_token_id": 2,
         "torch_dtype": "float32",
@@ -107,6 +115,25 @@ def write_hf_dir(directory: Path, s: Shape, *, shards: int = 1, seed: int = 0, w
         weight_map.update({n: file for n in part})
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return directory
+
+
+def llama3_rope_factors(s: Shape) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf writes as rope_freqs.weight for "llama3"
+    scaling: a divisor per frequency (1 for short wavelengths, the factor for long ones,
+    interpolated between)."""
+    factor, low, high, original = s.llama3_rope
+    out = []
+    for i in range(0, s.head_dim, 2):
+        freq = 1.0 / s.theta ** (i / s.head_dim)
+        wavelen = 2 * np.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def permute_like_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
@@ -198,6 +225,8 @@ def write_gguf(
         writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if s.llama3_rope is not None:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(s))
     writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", w["model.norm.weight"])
     if not s.tie:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvcandle
-from builders import SHAPES, Shape, hf_config, max_abs, tiny_weights, write_gguf, write_hf_dir
+from builders import SHAPES, RawGGUF, Shape, hf_config, max_abs, tiny_weights, write_gguf, write_hf_dir
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
@@ -220,8 +220,8 @@ def test_failing_progress_callback_does_not_fail_the_load(tiny_dirs):
 
 
 def test_unsupported_gguf_tokenizer_warns_and_loads(tmp_path):
-    path = write_gguf(tmp_path / "spm.gguf", SHAPES[0], tokenizer="llama")
-    with pytest.warns(kvcandle.KVCandleWarning, match="tokenizer kind 'llama' is not supported"):
+    path = write_gguf(tmp_path / "t5.gguf", SHAPES[0], tokenizer="t5")
+    with pytest.warns(kvcandle.KVCandleWarning, match="tokenizer kind 't5' is not supported"):
         model = kvcandle.load(path)
     assert model.tokenizer is None and model.forward([1, 2, 3]).shape == (SHAPES[0].vocab,)
 
@@ -255,3 +255,14 @@ def test_loading_holds_one_copy_of_the_weights():
     q = measure(True)
     assert q["weights"] < 0.25 * f32["weights"]
     assert q["after"] - q["before"] <= 2 * q["weights"], q
+
+
+def test_gguf_rope_factors_are_checked_and_upstream_refuses_them(tmp_path):
+    llama3 = next(s for s in SHAPES if s.llama3_rope is not None)
+    path = write_gguf(tmp_path / "l3.gguf", llama3)
+    with pytest.raises(kvcandle.ModelLoadError, match="rope_freqs.weight"):
+        kvcandle.load(path).upstream()
+    raw = RawGGUF(path)
+    raw.tensor("rope_freqs.weight")[1] = [llama3.head_dim]  # one factor too many for head_dim / 2
+    with pytest.raises(kvcandle.ModelLoadError, match=r"rope_freqs.weight has \d+ factors, head_dim"):
+        kvcandle.load(raw.write(tmp_path / "bad.gguf"))

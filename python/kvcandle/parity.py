@@ -217,10 +217,21 @@ def compute_in_float64(model: Any) -> None:
             module.forward = types.MethodType(rms_norm, module)  # type: ignore[method-assign]
 
     config = model.config
-    if config.rope_parameters.get("rope_type", "default") != "default":
-        raise RuntimeError(f"the float64 reference implements default RoPE only, not {config.rope_parameters}")
+    params = config.rope_parameters
+    kind = params.get("rope_type", "default")
+    if kind not in ("default", "llama3"):
+        raise RuntimeError(f"the float64 reference implements default and llama3 RoPE only, not {params}")
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    inv_freq = 1.0 / config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    inv_freq = 1.0 / params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if kind == "llama3":
+        # Llama 3.1's scaling (transformers' formula): long wavelengths slowed by `factor`,
+        # short ones kept, the band between interpolated
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        original = params["original_max_position_embeddings"]
+        wavelen = 2 * torch.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)
+        band = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > original / low, inv_freq / factor, torch.where(wavelen < original / high, inv_freq, band))
 
     def rope(x: Any, position_ids: Any) -> Any:
         angles = position_ids[..., None].double() * inv_freq

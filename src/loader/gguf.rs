@@ -29,7 +29,10 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
             format!("unsupported architecture {arch:?} (general.architecture); kvcandle runs \"llama\""),
         ));
     }
-    let config = meta.config(&arch)?;
+    let mut config = meta.config(&arch)?;
+    let file = File::open(path).map_err(|e| Error::load(path, e))?;
+    let mut reader = BufReader::new(file);
+    config.rope_freq_factors = rope_freq_factors(&content, &mut reader, path)?;
     let table = expected_tensors(&config, content.tensor_infos.len(), path)?;
     // every shape is checked before any tensor data is read
     for spec in &table {
@@ -45,8 +48,6 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
         }
     }
 
-    let file = File::open(path).map_err(|e| Error::load(path, e))?;
-    let mut reader = BufReader::new(file);
     let mut tensors = HashMap::new();
     let mut qtensors = HashMap::new();
     for (loaded, spec) in table.iter().enumerate() {
@@ -81,6 +82,22 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     Ok(Weights { config, tensors, qtensors, metadata, source: path.to_path_buf(), format: "gguf" })
+}
+
+/// llama.cpp's form of Llama 3 RoPE scaling: a divisor per frequency in the tensor
+/// `rope_freqs.weight` (the metadata says nothing). Read in full only when it is one row
+/// of at most 2^16 numbers; its length is checked against the head dim with the config.
+fn rope_freq_factors(content: &Content, reader: &mut BufReader<File>, path: &Path) -> Result<Option<Vec<f32>>> {
+    const NAME: &str = "rope_freqs.weight";
+    let Some(info) = content.tensor_infos.get(NAME) else { return Ok(None) };
+    match info.shape.dims() {
+        [n] if *n <= 1 << 16 => {}
+        dims => return Err(Error::load(path, format!("tensor {NAME} has shape {dims:?}, expected one row of head_dim / 2 factors"))),
+    }
+    let fail = |e: candle_core::Error| Error::load(path, format!("tensor {NAME}: {}", message(e)));
+    let t = content.tensor(reader, NAME, &Device::Cpu).map_err(fail)?;
+    let factors = t.dequantize(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).and_then(|t| t.to_vec1::<f32>()).map_err(fail)?;
+    Ok(Some(factors))
 }
 
 /// llama.cpp's converter reorders the rows of each q/k head from the Hugging Face
@@ -221,6 +238,7 @@ impl Meta<'_> {
             bos_token_id: token_id("tokenizer.ggml.bos_token_id")?,
             eos_token_ids: token_id("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
             rope_scaling: None,
+            rope_freq_factors: None,
         })
     }
 }

@@ -144,5 +144,6 @@ fn read_config(dir: &Path) -> Result<ModelConfig> {
         bos_token_id: cfg.bos_token_id,
         eos_token_ids,
         rope_scaling: cfg.rope_scaling,
+        rope_freq_factors: None,
     })
 }
