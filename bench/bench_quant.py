@@ -95,7 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--types", nargs="*", default=["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K"])
-    ap.add_argument("--tokens", type=int, default=20, help="length of the reference continuation")
+    ap.add_argument("--tokens", type=int, default=60, help="length of the reference continuation")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))

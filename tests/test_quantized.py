@@ -1,4 +1,4 @@
-"""quantized=True: a GGUF file's Q4_1/Q8_0 linear layers run from their blocks with int8
+"""quantized=True on the default model (a Q4_1 file; every other block type: test_block_types.py): linear layers run from their blocks with int8
 activations (llama.cpp's approach). Not bit-parity with float32, so the checks are that
 it is the same model (top-1 agreement along the reference sequence), that the cache
 behaves exactly as in float mode, and that it refuses what it cannot do."""
