@@ -404,7 +404,7 @@ pub(crate) mod tests {
         }
     }
 
-    /// Blocks candle quantizes from float decode close to the floats (a sanity check that
+    /// Blocks candle quantizes from float dequantize close to the floats (a sanity check that
     /// real weights, not only random bytes, come back).
     #[test]
     fn quantized_floats_come_back() {

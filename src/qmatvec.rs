@@ -4,10 +4,10 @@
 //! kernels only when the whole crate is built for AVX2, so on a portable build it is
 //! slower than float32. These kernels read the blocks as stored (Q4_1: a scale `d`, a
 //! minimum `m` and 32 four-bit values; Q8_0: a scale and 32 bytes; the half-precision
-//! scales are converted to float32 once, at load) and split rows across threads. When
-//! the CPU has AVX2 and FMA (detected at run time) the activations are quantized to int8
-//! per block and multiplied as integers, as llama.cpp does; otherwise a portable float32
-//! loop runs.
+//! scales are converted to float32 once, at load; every other block type byte for byte,
+//! read through [`crate::blocks`]) and split rows across threads. When the CPU has AVX2
+//! and FMA (detected at run time) the activations are quantized to int8 per block and
+//! multiplied as integers, as llama.cpp does; otherwise a portable float32 loop runs.
 
 use half::f16;
 
@@ -24,7 +24,7 @@ pub enum QKind {
     Q4_1,
     Q8_0,
     /// any other GGUF block type, kept byte for byte as stored and read through
-    /// [`Format::decode`]
+    /// [`Format::values`] and [`Format::scales`]
     Blocks(Format),
 }
 
@@ -330,7 +330,7 @@ fn dot_portable(kind: QKind, row: Row<'_>, x: &[f32], block_sums: &[f32]) -> f32
 
 /// One row of kept blocks against the prepared input, on the best path the CPU has.
 fn dot_blocks(f: Format, row: &[u8], input: &QInput) -> f32 {
-    // each arm's body specialized to its format (decode is inlined with `f` constant)
+    // each arm's kernel specialized to its format (the unpacking inlined with it constant)
     macro_rules! each {
         ($($v:ident),*) => {
             match f {
