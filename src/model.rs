@@ -11,7 +11,7 @@ use crate::cache::{CacheLayout, KvCache};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::linear::Linear;
-use crate::loader::Weights;
+use crate::loader::{Part, Weights};
 use crate::rope::Rope;
 
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
@@ -87,44 +87,39 @@ impl Llama {
         let c = w.config.clone();
         let (dtype, device, quantized) = (w.dtype(), w.device(), w.is_quantized());
         let source = w.source.clone();
-        let linear = |w: &mut Weights, name: &str| -> Result<Linear> {
-            let name = format!("{name}.weight");
+        let linear = |w: &mut Weights, part: Part| -> Result<Linear> {
+            let name = part.name();
             match (w.qtensors.remove(&name), w.tensors.remove(&name)) {
                 (Some(q), _) => Ok(Linear::quantized(&q, dtype, &device)?),
                 (None, Some(t)) => Ok(Linear::new(t)),
                 (None, None) => Err(Error::load(&source, format!("tensor {name} is missing"))),
             }
         };
-        let norm = |w: &mut Weights, name: &str| -> Result<Norm> {
-            let name = format!("{name}.weight");
-            let t = w.tensors.remove(&name).ok_or_else(|| Error::load(&source, format!("tensor {name} is missing")))?;
-            Norm::new(t, c.rms_norm_eps)
+        let take = |w: &mut Weights, part: Part| -> Result<Tensor> {
+            let name = part.name();
+            w.tensors.remove(&name).ok_or_else(|| Error::load(&source, format!("tensor {name} is missing")))
         };
+        let norm = |w: &mut Weights, part: Part| -> Result<Norm> { Norm::new(take(w, part)?, c.rms_norm_eps) };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let qkv = ["q_proj", "k_proj", "v_proj"].iter().map(|n| linear(&mut w, &format!("{p}.self_attn.{n}"))).collect::<Result<_>>()?;
-            let gate_up = ["gate_proj", "up_proj"].iter().map(|n| linear(&mut w, &format!("{p}.mlp.{n}"))).collect::<Result<_>>()?;
+            let qkv = [Part::Q(i), Part::K(i), Part::V(i)].into_iter().map(|p| linear(&mut w, p)).collect::<Result<_>>()?;
+            let gate_up = [Part::Gate(i), Part::Up(i)].into_iter().map(|p| linear(&mut w, p)).collect::<Result<_>>()?;
             layers.push(Layer {
-                input_layernorm: norm(&mut w, &format!("{p}.input_layernorm"))?,
-                post_attention_layernorm: norm(&mut w, &format!("{p}.post_attention_layernorm"))?,
-                attn: Attention { qkv: Linear::stack(qkv)?, o_proj: linear(&mut w, &format!("{p}.self_attn.o_proj"))? },
-                mlp: Mlp { gate_up: Linear::stack(gate_up)?, down_proj: linear(&mut w, &format!("{p}.mlp.down_proj"))? },
+                input_layernorm: norm(&mut w, Part::InputNorm(i))?,
+                post_attention_layernorm: norm(&mut w, Part::PostNorm(i))?,
+                attn: Attention { qkv: Linear::stack(qkv)?, o_proj: linear(&mut w, Part::O(i))? },
+                mlp: Mlp { gate_up: Linear::stack(gate_up)?, down_proj: linear(&mut w, Part::Down(i))? },
             });
         }
-        let lm_head = if c.tie_word_embeddings { linear(&mut w, "model.embed_tokens")? } else { linear(&mut w, "lm_head")? };
+        let lm_head = linear(&mut w, if c.tie_word_embeddings { Part::Embed } else { Part::LmHead })?;
         // tied: the lm_head is the table (a float lm_head is the same tensor; a quantized
         // one is read a row at a time), so no float copy is kept beside it
         let embed_tokens = match (c.tie_word_embeddings, &lm_head) {
             (true, Linear::Quantized(_)) => None,
             (true, Linear::Float(l)) => Some(Embedding::new(l.weight().clone(), c.hidden_size)),
-            _ => {
-                let name = "model.embed_tokens.weight";
-                let t = w.tensors.remove(name).ok_or_else(|| Error::load(&source, format!("tensor {name} is missing")))?;
-                Some(Embedding::new(t, c.hidden_size))
-            }
+            _ => Some(Embedding::new(take(&mut w, Part::Embed)?, c.hidden_size)),
         };
-        let final_norm = norm(&mut w, "model.norm")?;
+        let final_norm = norm(&mut w, Part::FinalNorm)?;
         let decode = device.is_cpu() && dtype == DType::F32;
         let model = Self {
             id: next_model_id(),
@@ -154,27 +149,26 @@ impl Llama {
         let c = &self.config;
         let (q, kv, ff) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size);
         for (i, l) in self.layers.iter().enumerate() {
-            let p = format!("model.layers.{i}");
             let qkv = float(&l.attn.qkv)?;
             let gate_up = float(&l.mlp.gate_up)?;
-            for (name, t) in [
-                ("self_attn.q_proj", qkv.narrow(0, 0, q).ok()?),
-                ("self_attn.k_proj", qkv.narrow(0, q, kv).ok()?),
-                ("self_attn.v_proj", qkv.narrow(0, q + kv, kv).ok()?),
-                ("self_attn.o_proj", float(&l.attn.o_proj)?),
-                ("mlp.gate_proj", gate_up.narrow(0, 0, ff).ok()?),
-                ("mlp.up_proj", gate_up.narrow(0, ff, ff).ok()?),
-                ("mlp.down_proj", float(&l.mlp.down_proj)?),
-                ("input_layernorm", l.input_layernorm.weight.clone()),
-                ("post_attention_layernorm", l.post_attention_layernorm.weight.clone()),
+            for (part, t) in [
+                (Part::Q(i), qkv.narrow(0, 0, q).ok()?),
+                (Part::K(i), qkv.narrow(0, q, kv).ok()?),
+                (Part::V(i), qkv.narrow(0, q + kv, kv).ok()?),
+                (Part::O(i), float(&l.attn.o_proj)?),
+                (Part::Gate(i), gate_up.narrow(0, 0, ff).ok()?),
+                (Part::Up(i), gate_up.narrow(0, ff, ff).ok()?),
+                (Part::Down(i), float(&l.mlp.down_proj)?),
+                (Part::InputNorm(i), l.input_layernorm.weight.clone()),
+                (Part::PostNorm(i), l.post_attention_layernorm.weight.clone()),
             ] {
-                out.insert(format!("{p}.{name}.weight"), t);
+                out.insert(part.name(), t);
             }
         }
-        out.insert("model.norm.weight".into(), self.norm.weight.clone());
-        out.insert("model.embed_tokens.weight".into(), self.embed_tokens.as_ref()?.embeddings().clone());
+        out.insert(Part::FinalNorm.name(), self.norm.weight.clone());
+        out.insert(Part::Embed.name(), self.embed_tokens.as_ref()?.embeddings().clone());
         if !c.tie_word_embeddings {
-            out.insert("lm_head.weight".into(), float(&self.lm_head)?);
+            out.insert(Part::LmHead.name(), float(&self.lm_head)?);
         }
         Some(out)
     }

@@ -8,7 +8,7 @@ use candle_nn::VarBuilder;
 use candle_transformers::models::llama::{Cache, Config, Llama};
 
 use crate::error::{Error, Result};
-use crate::loader::Weights;
+use crate::loader::{Part, Weights};
 use crate::model::{next_model_id, token_ids};
 
 pub struct UpstreamLlama {
@@ -35,7 +35,7 @@ impl UpstreamLlama {
             return Err(Error::Input(Self::QUANTIZED.into()));
         }
         let config = w.config.to_upstream().map_err(|r| Error::load(&w.source, r))?;
-        let embeddings = w.get("model.embed_tokens.weight")?;
+        let embeddings = w.get(&Part::Embed.name())?;
         let (dtype, device) = (embeddings.dtype(), embeddings.device().clone());
         let vb = VarBuilder::from_tensors(w.tensors.clone(), dtype, &device);
         // Llama::load unwraps per-layer results; the loader checked every shape already,

@@ -47,11 +47,11 @@ impl Weights {
 
     /// The float dtype and device of the weights (those of the embedding table).
     pub fn dtype(&self) -> DType {
-        self.tensors.get(FLOAT_ALWAYS).map_or(DType::F32, |t| t.dtype())
+        self.tensors.get(&FLOAT_ALWAYS.name()).map_or(DType::F32, |t| t.dtype())
     }
 
     pub fn device(&self) -> Device {
-        self.tensors.get(FLOAT_ALWAYS).map_or(Device::Cpu, |t| t.device().clone())
+        self.tensors.get(&FLOAT_ALWAYS.name()).map_or(Device::Cpu, |t| t.device().clone())
     }
 
     pub fn is_quantized(&self) -> bool {
@@ -102,47 +102,88 @@ impl TensorSpec {
 
 /// A tensor every loader keeps as floats (never in quantized blocks): the final norm's
 /// scale. Its dtype and device are the model's.
-const FLOAT_ALWAYS: &str = "model.norm.weight";
+const FLOAT_ALWAYS: Part = Part::FinalNorm;
 
 /// Weights per transformer layer.
 const TENSORS_PER_LAYER: usize = 9;
 
+/// One weight of a Llama model; its names, shape and GGUF row order are stated once, in
+/// [`Part::spec`], and the loaders, the engine and candle's upstream model all name
+/// weights through it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// the lookup table; tied, it is also the lm_head
+    Embed,
+    FinalNorm,
+    LmHead,
+    InputNorm(usize),
+    PostNorm(usize),
+    Q(usize),
+    K(usize),
+    V(usize),
+    O(usize),
+    Gate(usize),
+    Up(usize),
+    Down(usize),
+}
+
+impl Part {
+    /// The weights of layer `i`, in load order.
+    pub fn layer(i: usize) -> [Part; TENSORS_PER_LAYER] {
+        [Part::InputNorm(i), Part::PostNorm(i), Part::Q(i), Part::K(i), Part::V(i), Part::O(i), Part::Gate(i), Part::Up(i), Part::Down(i)]
+    }
+
+    /// The Hugging Face name (`model.layers.0.self_attn.q_proj.weight`).
+    pub fn name(self) -> String {
+        self.names().0
+    }
+
+    /// (Hugging Face name, llama.cpp's name).
+    fn names(self) -> (String, String) {
+        let (layer, hf, gguf) = match self {
+            Part::Embed => return ("model.embed_tokens.weight".into(), "token_embd.weight".into()),
+            Part::FinalNorm => return ("model.norm.weight".into(), "output_norm.weight".into()),
+            Part::LmHead => return ("lm_head.weight".into(), "output.weight".into()),
+            Part::InputNorm(i) => (i, "input_layernorm", "attn_norm"),
+            Part::PostNorm(i) => (i, "post_attention_layernorm", "ffn_norm"),
+            Part::Q(i) => (i, "self_attn.q_proj", "attn_q"),
+            Part::K(i) => (i, "self_attn.k_proj", "attn_k"),
+            Part::V(i) => (i, "self_attn.v_proj", "attn_v"),
+            Part::O(i) => (i, "self_attn.o_proj", "attn_output"),
+            Part::Gate(i) => (i, "mlp.gate_proj", "ffn_gate"),
+            Part::Up(i) => (i, "mlp.up_proj", "ffn_up"),
+            Part::Down(i) => (i, "mlp.down_proj", "ffn_down"),
+        };
+        (format!("model.layers.{layer}.{hf}.weight"), format!("blk.{layer}.{gguf}.weight"))
+    }
+
+    /// Everything about this weight for a model of configuration `c`.
+    pub fn spec(self, c: &ModelConfig) -> TensorSpec {
+        let (h, q, kv, ff) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size);
+        let (shape, rope_heads, linear) = match self {
+            Part::Embed => (vec![c.vocab_size, h], None, c.tie_word_embeddings),
+            Part::LmHead => (vec![c.vocab_size, h], None, true),
+            Part::FinalNorm | Part::InputNorm(_) | Part::PostNorm(_) => (vec![h], None, false),
+            Part::Q(_) => (vec![q, h], Some(c.num_attention_heads), true),
+            Part::K(_) => (vec![kv, h], Some(c.num_key_value_heads), true),
+            Part::V(_) => (vec![kv, h], None, true),
+            Part::O(_) => (vec![h, q], None, true),
+            Part::Gate(_) | Part::Up(_) => (vec![ff, h], None, true),
+            Part::Down(_) => (vec![h, ff], None, true),
+        };
+        let (name, gguf) = self.names();
+        TensorSpec { name, gguf, shape, rope_heads, linear }
+    }
+}
+
 /// Every weight a Llama model with this (validated) configuration has, in load order.
 pub fn tensor_table(c: &ModelConfig) -> Vec<TensorSpec> {
-    let (h, q, kv, ff) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size);
-    let spec = |name: String, gguf: String, shape: Vec<usize>, rope_heads: Option<usize>, linear: bool| TensorSpec {
-        name,
-        gguf,
-        shape,
-        rope_heads,
-        linear,
-    };
-    let mut table = vec![
-        // the lookup table; tied, it is also the lm_head (a linear layer)
-        spec("model.embed_tokens.weight".into(), "token_embd.weight".into(), vec![c.vocab_size, h], None, c.tie_word_embeddings),
-        spec("model.norm.weight".into(), "output_norm.weight".into(), vec![h], None, false),
-    ];
+    let mut parts = vec![Part::Embed, Part::FinalNorm];
     if !c.tie_word_embeddings {
-        table.push(spec("lm_head.weight".into(), "output.weight".into(), vec![c.vocab_size, h], None, true));
+        parts.push(Part::LmHead);
     }
-    for i in 0..c.num_hidden_layers {
-        let layer = [
-            ("input_layernorm", "attn_norm", vec![h], None, false),
-            ("post_attention_layernorm", "ffn_norm", vec![h], None, false),
-            ("self_attn.q_proj", "attn_q", vec![q, h], Some(c.num_attention_heads), true),
-            ("self_attn.k_proj", "attn_k", vec![kv, h], Some(c.num_key_value_heads), true),
-            ("self_attn.v_proj", "attn_v", vec![kv, h], None, true),
-            ("self_attn.o_proj", "attn_output", vec![h, q], None, true),
-            ("mlp.gate_proj", "ffn_gate", vec![ff, h], None, true),
-            ("mlp.up_proj", "ffn_up", vec![ff, h], None, true),
-            ("mlp.down_proj", "ffn_down", vec![h, ff], None, true),
-        ];
-        debug_assert_eq!(layer.len(), TENSORS_PER_LAYER);
-        for (hf, gg, shape, rope_heads, linear) in layer {
-            table.push(spec(format!("model.layers.{i}.{hf}.weight"), format!("blk.{i}.{gg}.weight"), shape, rope_heads, linear));
-        }
-    }
-    table
+    parts.extend((0..c.num_hidden_layers).flat_map(Part::layer));
+    parts.into_iter().map(|p| p.spec(c)).collect()
 }
 
 /// Validates the configuration read from a file holding `present` tensors and returns
