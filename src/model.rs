@@ -100,6 +100,9 @@ impl Llama {
             w.tensors.remove(&name).ok_or_else(|| Error::load(&source, format!("tensor {name} is missing")))
         };
         let norm = |w: &mut Weights, part: Part| -> Result<Norm> { Norm::new(take(w, part)?, c.rms_norm_eps) };
+        // the largest matrix first, while the least memory is taken: converting it needs
+        // its stored form and its new one at once
+        let lm_head = linear(&mut w, if c.tie_word_embeddings { Part::Embed } else { Part::LmHead })?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let qkv = [Part::Q(i), Part::K(i), Part::V(i)].into_iter().map(|p| linear(&mut w, p)).collect::<Result<_>>()?;
@@ -111,7 +114,6 @@ impl Llama {
                 mlp: Mlp { gate_up: Linear::stack(gate_up)?, down_proj: linear(&mut w, Part::Down(i))? },
             });
         }
-        let lm_head = linear(&mut w, if c.tie_word_embeddings { Part::Embed } else { Part::LmHead })?;
         // tied: the lm_head is the table (a float lm_head is the same tensor; a quantized
         // one is read a row at a time), so no float copy is kept beside it
         let embed_tokens = match (c.tie_word_embeddings, &lm_head) {
