@@ -63,6 +63,9 @@ import numpy as np  # noqa: E402
 import kvcandle  # noqa: E402
 from kvcandle._platform import cpu_description  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _llamacpp import write_f32_gguf  # noqa: E402
+
 
 def memory_read_rate(threads: int, mb: int = 512) -> float:
     """GB/s reading a float32 array far larger than the caches, split over `threads`
@@ -233,31 +236,6 @@ class LlamaCpp(Engine):
     def uncached_step(self, ids: list[int]) -> int:
         self.llm.reset()
         return self._eval(ids)
-
-
-def write_f32_gguf(src: Path, threads: int) -> Optional[Path]:
-    """The default model as an all-float32 GGUF, written once by llama.cpp's quantizer."""
-    import llama_cpp
-
-    dst = Path(tempfile.gettempdir()) / f"kvcandle-bench-{src.stem}.f32.gguf"
-    if not dst.exists():
-        p = llama_cpp.llama_model_quantize_default_params()
-        p.ftype = 0  # LLAMA_FTYPE_ALL_F32
-        p.allow_requantize = True
-        p.nthread = threads
-        tmp = dst.with_suffix(".partial")
-        saved = os.dup(2)  # the quantizer prints every tensor on stderr
-        try:
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), 2)
-                rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), p)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        if rc != 0:
-            return None
-        os.replace(tmp, dst)
-    return dst
 
 
 def timed(name: str, make: Callable[[], Engine]) -> tuple[Optional[Engine], float]:

@@ -24,37 +24,21 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import write_f32_gguf  # noqa: E402
+from _llamacpp import requantize, write_f32_gguf  # noqa: E402
 
 import kvcandle  # noqa: E402
 from kvcandle._default import default_model_path  # noqa: E402
 from kvcandle._platform import cpu_description  # noqa: E402
 
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers
-FTYPES = {"Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q4_0": 2, "Q4_1": 3, "Q3_K_M": 12, "Q2_K": 10}
+FTYPES = {"F16": 1, "BF16": 32, "Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q4_0": 2, "Q4_1": 3, "Q3_K_M": 12, "Q2_K": 10}
 PROMPT = "The history of the printing press begins in"
 
 
 def quantize(f32: Path, name: str, threads: int) -> Path:
-    import llama_cpp
-
     dst = Path(tempfile.gettempdir()) / f"kvcandle-bench-{name}.gguf"
-    if not dst.exists():
-        p = llama_cpp.llama_model_quantize_default_params()
-        p.ftype = FTYPES[name]
-        p.nthread = threads
-        tmp = dst.with_suffix(".partial")
-        saved = os.dup(2)
-        try:
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), 2)
-                rc = llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), p)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        if rc != 0:
-            raise RuntimeError(f"llama_model_quantize({name}) returned {rc}")
-        os.replace(tmp, dst)
+    if not requantize(f32, dst, FTYPES[name], threads):
+        raise RuntimeError(f"llama.cpp's quantizer failed to write {name}")
     return dst
 
 

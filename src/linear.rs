@@ -33,13 +33,16 @@ impl Linear {
     }
 
     /// GGUF blocks are kept (Q4_1 and Q8_0 repacked with float32 scales for their
-    /// integer kernels, the other block types byte for byte); float types and anything
-    /// off the CPU or for a non-float32 model are dequantized to `dtype` on `device`.
+    /// integer kernels, the other block types and 16-bit floats byte for byte); float32
+    /// and anything off the CPU or for a non-float32 model are dequantized to `dtype` on
+    /// `device`.
     pub fn quantized(weight: &QTensor, dtype: DType, device: &Device) -> Result<Self> {
         let (rows, cols) = weight.shape().dims2()?;
         let kind = match weight.dtype() {
             GgmlDType::Q4_1 => Some(QKind::Q4_1),
             GgmlDType::Q8_0 => Some(QKind::Q8_0),
+            GgmlDType::F16 => Some(QKind::F16),
+            GgmlDType::BF16 => Some(QKind::BF16),
             t => Format::from_ggml(t).map(QKind::Blocks),
         };
         if let (Some(kind), true, true) = (kind, device.is_cpu(), dtype == DType::F32) {

@@ -15,7 +15,7 @@ use crate::blocks::{Format, SUB};
 
 const BLOCK: usize = 32;
 
-/// Whether the CPU has AVX2 and FMA, detected once.
+/// Whether the CPU has AVX2, FMA and F16C, detected once.
 static SIMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +26,10 @@ pub enum QKind {
     /// any other GGUF block type, kept byte for byte as stored and read through
     /// [`Format::values`] and [`Format::scales`]
     Blocks(Format),
+    /// 16-bit floats kept as stored (IEEE half or bfloat16), widened to float32 as they
+    /// are multiplied
+    F16,
+    BF16,
 }
 
 /// A (rows, cols) matrix of quantized blocks, repacked at load: the half-precision
@@ -49,7 +53,7 @@ impl QKind {
         match self {
             QKind::Q4_1 => 2,
             QKind::Q8_0 => 1,
-            QKind::Blocks(_) => 0,
+            QKind::Blocks(_) | QKind::F16 | QKind::BF16 => 0,
         }
     }
 
@@ -57,7 +61,7 @@ impl QKind {
         match self {
             QKind::Q4_1 => 16,
             QKind::Q8_0 => 32,
-            QKind::Blocks(_) => unreachable!("kept blocks are read through Format"),
+            QKind::Blocks(_) | QKind::F16 | QKind::BF16 => unreachable!("kept blocks and 16-bit rows are read whole"),
         }
     }
 }
@@ -70,6 +74,9 @@ impl QMatrix {
                 return None;
             }
             return Some(Self { kind, rows, cols, scales: Vec::new(), qs: data.to_vec() });
+        }
+        if matches!(kind, QKind::F16 | QKind::BF16) {
+            return (data.len() == rows * cols * 2).then(|| Self { kind, rows, cols, scales: Vec::new(), qs: data.to_vec() });
         }
         if !cols.is_multiple_of(BLOCK) || data.len() != rows * (cols / BLOCK) * kind.block_bytes() {
             return None;
@@ -103,6 +110,12 @@ impl QMatrix {
 
     /// Appends rows `first..first + n` as float32 to `out`.
     pub fn dequantize_rows(&self, first: usize, n: usize, out: &mut Vec<f32>) {
+        if matches!(self.kind, QKind::F16 | QKind::BF16) {
+            let bytes = &self.qs[first * self.cols * 2..(first + n) * self.cols * 2];
+            let widen = half_widener(self.kind);
+            out.extend(bytes.chunks_exact(2).map(|b| widen(u16::from_le_bytes([b[0], b[1]]))));
+            return;
+        }
         if let QKind::Blocks(f) = self.kind {
             let row = self.row_bytes();
             let start = out.len();
@@ -125,7 +138,7 @@ impl QMatrix {
                     out.extend(qs.iter().map(|q| d * (q >> 4) as f32 + m));
                 }
                 QKind::Q8_0 => out.extend(qs.iter().map(|q| self.scales[b] * (*q as i8) as f32)),
-                QKind::Blocks(_) => unreachable!("handled above"),
+                QKind::Blocks(_) | QKind::F16 | QKind::BF16 => unreachable!("handled above"),
             }
         }
     }
@@ -152,6 +165,7 @@ impl QMatrix {
     fn row_bytes(&self) -> usize {
         match self.kind {
             QKind::Blocks(f) => self.cols / f.block_values() * f.block_bytes(),
+            QKind::F16 | QKind::BF16 => self.cols * 2,
             _ => self.cols / BLOCK * self.kind.qs_per_block(),
         }
     }
@@ -160,6 +174,13 @@ impl QMatrix {
     pub fn mul_rows(&self, input: &QInput, first: usize, out: &mut [f32]) {
         assert_eq!(input.x.len(), self.cols);
         assert!(first + out.len() <= self.rows);
+        if matches!(self.kind, QKind::F16 | QKind::BF16) {
+            let bytes = self.row_bytes();
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = dot_half(self.kind == QKind::BF16, &self.qs[(first + i) * bytes..(first + i + 1) * bytes], &input.x);
+            }
+            return;
+        }
         if let QKind::Blocks(f) = self.kind {
             let bytes = self.row_bytes();
             for (i, o) in out.iter_mut().enumerate() {
@@ -180,7 +201,7 @@ impl QMatrix {
                     match self.kind {
                         QKind::Q4_1 => dot_q4_1_avx2(row, xq, xd, &input.block_sums),
                         QKind::Q8_0 => dot_q8_0_avx2(row, xq, xd),
-                        QKind::Blocks(_) => unreachable!("handled above"),
+                        QKind::Blocks(_) | QKind::F16 | QKind::BF16 => unreachable!("handled above"),
                     }
                 },
                 _ => dot_portable(self.kind, row, &input.x, &input.block_sums),
@@ -311,7 +332,8 @@ struct Row<'a> {
 fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+        // F16C (half-precision conversion) came before AVX2 on every x86 CPU; checked anyway
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -324,8 +346,76 @@ fn dot_portable(kind: QKind, row: Row<'_>, x: &[f32], block_sums: &[f32]) -> f32
     match kind {
         QKind::Q4_1 => dot_q4_1(row, x, block_sums),
         QKind::Q8_0 => dot_q8_0(row, x),
-        QKind::Blocks(_) => unreachable!("kept blocks take dot_blocks"),
+        QKind::Blocks(_) | QKind::F16 | QKind::BF16 => unreachable!("kept blocks and 16-bit rows have their own kernels"),
     }
+}
+
+/// The widening of a 16-bit row's numbers to float32.
+fn half_widener(kind: QKind) -> fn(u16) -> f32 {
+    match kind {
+        QKind::BF16 => |h| f32::from_bits((h as u32) << 16),
+        _ => crate::blocks::f16_to_f32,
+    }
+}
+
+/// One 16-bit row (`bf16`: bfloat16, else IEEE half) against float32 activations: each
+/// number widened exactly, eight partial sums; on the best path the CPU has.
+fn dot_half(bf16: bool, row: &[u8], x: &[f32]) -> f32 {
+    match (bf16, matvec_kernel_avx2()) {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time)
+        #[cfg(target_arch = "x86_64")]
+        (true, true) => unsafe { dot_half_avx2::<true>(row, x) },
+        #[cfg(target_arch = "x86_64")]
+        (false, true) => unsafe { dot_half_avx2::<false>(row, x) },
+        (true, _) => dot_half_body::<true>(row, x),
+        (false, _) => dot_half_body::<false>(row, x),
+    }
+}
+
+fn matvec_kernel_avx2() -> bool {
+    *SIMD.get_or_init(has_avx2_fma)
+}
+
+/// [`dot_half_body`] with AVX2: 16 numbers per step widened in registers (F16C's
+/// conversion for halves; a 16-bit shift for bfloat16), two accumulators.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_half_avx2<const BF16: bool>(row: &[u8], x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = x.len() / 16 * 16;
+    let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let widen = |p: *const u8| {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        if BF16 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        } else {
+            _mm256_cvtph_ps(h)
+        }
+    };
+    for i in (0..n).step_by(16) {
+        let p = row.as_ptr().add(2 * i);
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH) as *const i8);
+        a = _mm256_fmadd_ps(widen(p), _mm256_loadu_ps(x.as_ptr().add(i)), a);
+        b = _mm256_fmadd_ps(widen(p.add(16)), _mm256_loadu_ps(x.as_ptr().add(i + 8)), b);
+    }
+    hsum(_mm256_add_ps(a, b)) + dot_half_body::<BF16>(&row[2 * n..], &x[n..])
+}
+
+#[inline(always)]
+fn dot_half_body<const BF16: bool>(row: &[u8], x: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (rc, xc) = (row.chunks_exact(16), x.chunks_exact(8));
+    let widen = |h: u16| if BF16 { f32::from_bits((h as u32) << 16) } else { crate::blocks::f16_to_f32(h) };
+    let mut tail = 0f32;
+    for (b, v) in rc.remainder().chunks_exact(2).zip(xc.remainder()) {
+        tail += widen(u16::from_le_bytes([b[0], b[1]])) * v;
+    }
+    for (r, v) in rc.zip(xc) {
+        for l in 0..8 {
+            lanes[l] += widen(u16::from_le_bytes([r[2 * l], r[2 * l + 1]])) * v[l];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
 }
 
 /// One row of kept blocks against the prepared input, on the best path the CPU has.
@@ -543,6 +633,44 @@ mod tests {
                 assert!((float - want).abs() <= 1e-5 * (1e-3 + scale), "{f:?} row {r}, float path: {float} vs {want}");
             }
         }
+    }
+
+    /// 16-bit rows (half and bfloat16): the product against float64 over the same widened
+    /// numbers, the dequantized rows equal to the `half` crate's widening, row ranges equal
+    /// the whole.
+    #[test]
+    fn half_rows_match_float64() {
+        let (rows, cols) = (5, 75); // a width that is not a multiple of 8: the tail too
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 37 % 17) as f32 - 8.0) / 4.0).collect();
+        for kind in [QKind::F16, QKind::BF16] {
+            let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0).collect();
+            let bits: Vec<u16> = match kind {
+                QKind::F16 => w.iter().map(|&v| f16::from_f32(v).to_bits()).collect(),
+                _ => w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect(),
+            };
+            let want_w: Vec<f32> = match kind {
+                QKind::F16 => bits.iter().map(|&b| f16::from_bits(b).to_f32()).collect(),
+                _ => bits.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect(),
+            };
+            let data: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+            let m = QMatrix::new(kind, rows, cols, &data).unwrap();
+            assert_eq!(m.dequantize(), want_w, "{kind:?}");
+            assert_eq!(m.nbytes(), rows * cols * 2);
+            let input = QMatrix::prepare(&x);
+            let mut got = vec![0f32; rows];
+            m.mul_rows(&input, 0, &mut got);
+            let mut tail = vec![0f32; 2];
+            m.mul_rows(&input, 3, &mut tail);
+            assert_eq!(tail, got[3..], "{kind:?}: a row range");
+            for r in 0..rows {
+                let want: f64 = (0..cols).map(|c| want_w[r * cols + c] as f64 * x[c] as f64).sum();
+                let scale: f64 = (0..cols).map(|c| (want_w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
+                assert!((got[r] as f64 - want).abs() <= 1e-6 * (1.0 + scale), "{kind:?} row {r}: {} vs {want}", got[r]);
+                let portable = if kind == QKind::BF16 { dot_half_body::<true>(&data[r * cols * 2..(r + 1) * cols * 2], &x) } else { dot_half_body::<false>(&data[r * cols * 2..(r + 1) * cols * 2], &x) };
+                assert!((portable as f64 - want).abs() <= 1e-6 * (1.0 + scale), "{kind:?} row {r}, portable");
+            }
+        }
+        assert!(QMatrix::new(QKind::F16, 2, 3, &[0; 11]).is_none());
     }
 
     #[test]

@@ -243,8 +243,9 @@ def write_gguf(
     return path
 
 
-# The GGUF block types kvcandle keeps as stored (Q4_1 and Q8_0 repacked).
-BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# The GGUF block types kvcandle keeps as stored (Q4_1 and Q8_0 repacked), and the
+# 16-bit float types it keeps 16-bit.
+BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
 
 # gguf-py quantizes the 32-value types but not the K-quants; every bit pattern of a
 # K-quant block is a valid block, so those are random bytes with their half-precision
@@ -282,7 +283,7 @@ def quantized_weights(s: Shape, qtype: str, seed: int = 0) -> tuple[dict[str, np
         else:
             # a quarter of tiny_weights' scale: trained models' size (about 0.05), as the
             # K-quant blocks above; at 0.2 the random layers amplify any rounding chaotically
-            data = quants.quantize(0.25 * w, t)
+            data = quants.quantize(0.25 * w, t).view(np.uint8)  # float16 comes back as float16
         blocks[name] = (data, qtype)
         floats[name] = quants.dequantize(data, t).astype(np.float32).reshape(rows, cols)
     return floats, blocks

@@ -1,4 +1,5 @@
-"""Every GGUF block type kvcandle keeps (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K): a
+"""Every GGUF block type kvcandle keeps (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, and the
+16-bit floats F16 and BF16, kept 16-bit and multiplied in float32): a
 tiny model whose linear layers and lm_head are blocks of that type, loaded with
 ``quantized=True``, against transformers in float64 on the same weights dequantized by
 gguf-py (an independent reading of the formats).
@@ -66,6 +67,8 @@ def test_decode_steps_on_blocks_match_float64(case):
     err = max_abs(got, want)
     print(f"{qtype}: decode vs float64 {err:.2e} ({err / span:.2%} of the logits' range)")
     assert err <= INT8_ACTIVATIONS * span
+    if qtype in ("F16", "BF16"):
+        assert err <= PARITY  # float32 activations: no int8 rounding
     # the top token agrees wherever float64's top two are further apart than the error
     top2 = np.sort(want, axis=-1)[:, -2:]
     clear = top2[:, 1] - top2[:, 0] > 2 * err
