@@ -112,7 +112,7 @@ impl QMatrix {
     pub fn dequantize_rows(&self, first: usize, n: usize, out: &mut Vec<f32>) {
         if matches!(self.kind, QKind::F16 | QKind::BF16) {
             let bytes = &self.qs[first * self.cols * 2..(first + n) * self.cols * 2];
-            let widen = half_widener(self.kind);
+            let widen = if self.kind == QKind::BF16 { widen_half::<true> } else { widen_half::<false> };
             out.extend(bytes.chunks_exact(2).map(|b| widen(u16::from_le_bytes([b[0], b[1]]))));
             return;
         }
@@ -146,7 +146,7 @@ impl QMatrix {
     /// The activations as the kernels read them: computed once per input vector and
     /// shared by every row range (and every matrix) that multiplies it.
     pub fn prepare(x: &[f32]) -> QInput {
-        let q8 = if *SIMD.get_or_init(has_avx2_fma) { Some(quantize_q8(x)) } else { None };
+        let q8 = if simd() { Some(quantize_q8(x)) } else { None };
         // With int8 activations, the minimums' terms take the sums of the activations as
         // the integer products see them (int8 times scale), as llama.cpp's Q8_1 does: each
         // weight then meets the same rounded activation in both terms, and the rounding
@@ -350,18 +350,20 @@ fn dot_portable(kind: QKind, row: Row<'_>, x: &[f32], block_sums: &[f32]) -> f32
     }
 }
 
-/// The widening of a 16-bit row's numbers to float32.
-fn half_widener(kind: QKind) -> fn(u16) -> f32 {
-    match kind {
-        QKind::BF16 => |h| f32::from_bits((h as u32) << 16),
-        _ => crate::blocks::f16_to_f32,
+/// A 16-bit float (bfloat16 with `BF16`, else IEEE half) as float32, exactly.
+#[inline(always)]
+fn widen_half<const BF16: bool>(h: u16) -> f32 {
+    if BF16 {
+        f32::from_bits((h as u32) << 16)
+    } else {
+        crate::blocks::f16_to_f32(h)
     }
 }
 
 /// One 16-bit row (`bf16`: bfloat16, else IEEE half) against float32 activations: each
 /// number widened exactly, eight partial sums; on the best path the CPU has.
 fn dot_half(bf16: bool, row: &[u8], x: &[f32]) -> f32 {
-    match (bf16, matvec_kernel_avx2()) {
+    match (bf16, simd()) {
         // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time)
         #[cfg(target_arch = "x86_64")]
         (true, true) => unsafe { dot_half_avx2::<true>(row, x) },
@@ -372,7 +374,8 @@ fn dot_half(bf16: bool, row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-fn matvec_kernel_avx2() -> bool {
+/// Whether the AVX2 integer and 16-bit kernels run ([`SIMD`]).
+fn simd() -> bool {
     *SIMD.get_or_init(has_avx2_fma)
 }
 
@@ -405,14 +408,13 @@ unsafe fn dot_half_avx2<const BF16: bool>(row: &[u8], x: &[f32]) -> f32 {
 fn dot_half_body<const BF16: bool>(row: &[u8], x: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let (rc, xc) = (row.chunks_exact(16), x.chunks_exact(8));
-    let widen = |h: u16| if BF16 { f32::from_bits((h as u32) << 16) } else { crate::blocks::f16_to_f32(h) };
     let mut tail = 0f32;
     for (b, v) in rc.remainder().chunks_exact(2).zip(xc.remainder()) {
-        tail += widen(u16::from_le_bytes([b[0], b[1]])) * v;
+        tail += widen_half::<BF16>(u16::from_le_bytes([b[0], b[1]])) * v;
     }
     for (r, v) in rc.zip(xc) {
         for l in 0..8 {
-            lanes[l] += widen(u16::from_le_bytes([r[2 * l], r[2 * l + 1]])) * v[l];
+            lanes[l] += widen_half::<BF16>(u16::from_le_bytes([r[2 * l], r[2 * l + 1]])) * v[l];
         }
     }
     lanes.iter().sum::<f32>() + tail
