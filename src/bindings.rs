@@ -436,7 +436,7 @@ impl KVCache {
 /// Number of weights (tied embeddings counted once).
 fn parameters(w: &Weights) -> usize {
     let float: usize = w.tensors.values().map(|t| t.elem_count()).sum();
-    let quantized: usize = w.qtensors.iter().filter(|(name, _)| !w.tensors.contains_key(*name)).map(|(_, q)| q.shape().elem_count()).sum();
+    let quantized: usize = w.qtensors.iter().filter(|(name, _)| !w.tensors.contains_key(*name)).map(|(_, q)| q.rows * q.cols).sum();
     float + quantized
 }
 
@@ -527,10 +527,23 @@ fn pin_thread_count() {
     }
 }
 
+/// The `tokenizer.*` and `general.*` metadata of a GGUF file holding a Llama model, read
+/// from its header alone (the tokenizer is built from it before the weights load).
+#[pyfunction]
+fn read_gguf_metadata<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    let metadata = py.detach(|| no_panic(|| loader::gguf_metadata(&path))).py_err(py)?;
+    let d = PyDict::new(py);
+    for (k, v) in &metadata {
+        d.set_item(k, gguf_value(py, v)?)?;
+    }
+    Ok(d)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pin_thread_count();
     m.add_class::<Model>()?;
+    m.add_function(wrap_pyfunction!(read_gguf_metadata, m)?)?;
     m.add_class::<KVCache>()?;
     m.add_class::<UpstreamModel>()?;
     m.add_class::<UpstreamKVCache>()?;

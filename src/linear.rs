@@ -10,12 +10,14 @@
 //! become one matrix and gate and up another, so a decode step reads its input once per
 //! stack and hands out one job instead of three.
 
-use std::sync::RwLockReadGuard;
+use std::sync::{Arc, RwLockReadGuard};
 
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Result, Storage, Tensor};
 
 use crate::blocks::Format;
+use crate::loader::Blocks;
 use crate::matvec;
 use crate::qmatvec::{QInput, QKind, QMatrix};
 use crate::team::{Shards, Team};
@@ -33,24 +35,30 @@ impl Linear {
     }
 
     /// GGUF blocks are kept (Q4_1 and Q8_0 repacked with float32 scales for their
-    /// integer kernels, the other block types and 16-bit floats byte for byte); float32
-    /// and anything off the CPU or for a non-float32 model are dequantized to `dtype` on
-    /// `device`.
-    pub fn quantized(weight: &QTensor, dtype: DType, device: &Device) -> Result<Self> {
-        let (rows, cols) = weight.shape().dims2()?;
-        let kind = match weight.dtype() {
+    /// integer kernels, the other block types and 16-bit floats byte for byte, the buffer
+    /// taken over when no one else holds it); float32 and anything off the CPU or for a
+    /// non-float32 model are dequantized to `dtype` on `device`.
+    pub fn quantized(weight: Arc<Blocks>, dtype: DType, device: &Device) -> Result<Self> {
+        let (rows, cols, ggml) = (weight.rows, weight.cols, weight.dtype);
+        let kind = match ggml {
             GgmlDType::Q4_1 => Some(QKind::Q4_1),
             GgmlDType::Q8_0 => Some(QKind::Q8_0),
             GgmlDType::F16 => Some(QKind::F16),
             GgmlDType::BF16 => Some(QKind::BF16),
             t => Format::from_ggml(t).map(QKind::Blocks),
         };
-        if let (Some(kind), true, true) = (kind, device.is_cpu(), dtype == DType::F32) {
-            if let Some(m) = QMatrix::new(kind, rows, cols, &weight.data()?) {
-                return Ok(Self::Quantized(m));
+        let data = match (kind, device.is_cpu(), dtype == DType::F32) {
+            (Some(kind), true, true) => {
+                let data = Arc::try_unwrap(weight).map_or_else(|w| w.data.clone(), |w| w.data);
+                match QMatrix::new(kind, rows, cols, data) {
+                    Ok(m) => return Ok(Self::Quantized(m)),
+                    Err(data) => data,
+                }
             }
-        }
-        Ok(Self::new(weight.dequantize(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?))
+            _ => Arc::try_unwrap(weight).map_or_else(|w| w.data.clone(), |w| w.data),
+        };
+        let q = qtensor_from_ggml(ggml, &data, vec![rows, cols], &Device::Cpu)?;
+        Ok(Self::new(q.dequantize(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?))
     }
 
     /// One layer whose output rows are those of `parts` in order: one matrix when they
@@ -321,7 +329,7 @@ mod tests {
             data.extend(half::f16::from_f32(-((next() % 1000) as f32) / 10_000.0).to_bits().to_le_bytes());
             data.extend((0..16).map(|_| next() as u8));
         }
-        QMatrix::new(QKind::Q4_1, rows, cols, &data).unwrap()
+        QMatrix::new(QKind::Q4_1, rows, cols, data).unwrap()
     }
 
     /// A stack of a float and a quantized matrix (what a mixed-type GGUF gives): any row

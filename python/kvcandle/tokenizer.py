@@ -8,16 +8,14 @@ import warnings
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from tokenizers import AddedToken, Regex, Tokenizer as _HFTokenizer, decoders, models, pre_tokenizers
 
+from . import _core
 from ._checks import as_int, show
 from ._ids import as_ids
 from .errors import KVCandleWarning, ModelLoadError, TokenIdError
-
-if TYPE_CHECKING:
-    from . import _core
 
 # llama.cpp's token types
 _CONTROL = 3
@@ -484,15 +482,15 @@ class Tokenizer:
         )
 
     @classmethod
-    def for_model(cls, inner: "_core.Model", path: Path) -> Optional["Tokenizer"]:
-        """The tokenizer stored with a loaded model (``path``: its file or directory).
+    def from_gguf_file(cls, path: Path) -> Optional["Tokenizer"]:
+        """The tokenizer stored in a GGUF file, read from its header (no tensor data).
 
         Raises:
-            ModelLoadError: as :meth:`from_gguf_metadata` / :meth:`from_directory`.
+            ModelNotFoundError: the file does not exist.
+            ModelLoadError: as :meth:`from_gguf_metadata`, or a header that is not a
+                Llama model's.
         """
-        if inner.format == "gguf":
-            return cls.from_gguf_metadata(inner.gguf_metadata(), source=path)
-        return cls.from_directory(path, inner.config()["eos_token_ids"])
+        return cls.from_gguf_metadata(_core.read_gguf_metadata(str(path)), source=path)
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"

@@ -3,25 +3,24 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::Path;
 
 use std::sync::Arc;
 
-use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
 
-use super::{expected_tensors, gguf_header, Progress, Weights};
+use super::{expected_tensors, gguf_header, Blocks, Progress, TensorSpec, Weights};
 use crate::config::ModelConfig;
 use crate::error::{message, Error, Result};
 
-pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: bool, progress: Progress<'_>) -> Result<Weights> {
+/// The file's header, checked as a Llama model's: its metadata and configuration (no
+/// tensor data read).
+fn llama_header(path: &Path) -> Result<(Content, ModelConfig)> {
     // validated before candle sees anything of the file
     let content = gguf_header::read(path)?;
     let meta = Meta { path, content: &content };
-
     let arch = meta.string("general.architecture")?;
     if arch != "llama" {
         return Err(Error::load(
@@ -29,7 +28,21 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
             format!("unsupported architecture {arch:?} (general.architecture); kvcandle runs \"llama\""),
         ));
     }
-    let mut config = meta.config(&arch)?;
+    let config = meta.config(&arch)?;
+    Ok((content, config))
+}
+
+/// The metadata a model keeps: the tokenizer's and the general keys.
+pub(super) fn metadata(path: &Path) -> Result<HashMap<String, Value>> {
+    Ok(kept_metadata(llama_header(path)?.0))
+}
+
+fn kept_metadata(content: Content) -> HashMap<String, Value> {
+    content.metadata.into_iter().filter(|(k, _)| k.starts_with("tokenizer.") || k.starts_with("general.")).collect()
+}
+
+pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: bool, progress: Progress<'_>) -> Result<Weights> {
+    let (content, mut config) = llama_header(path)?;
     let file = File::open(path).map_err(|e| Error::load(path, e))?;
     let mut reader = BufReader::new(file);
     config.rope_freq_factors = rope_freq_factors(&content, &mut reader, path)?;
@@ -52,35 +65,24 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
     let mut qtensors = HashMap::new();
     for (loaded, spec) in table.iter().enumerate() {
         let fail = |e: candle_core::Error| Error::load(path, format!("tensor {}: {}", spec.gguf, message(e)));
-        let q = content.tensor(&mut reader, &spec.gguf, &Device::Cpu).map_err(fail)?;
-        let keep_blocks = quantized && spec.linear;
-        // floats are needed unless the matrix stays quantized (the tied embedding table
-        // is the quantized lm_head, whose rows the engine reads for the lookup too)
-        if !keep_blocks {
+        if quantized && spec.linear {
+            // kept as stored, read straight into the buffer the engine takes over
+            let blocks = read_blocks(&content, &mut reader, spec).map_err(fail)?;
+            qtensors.insert(spec.name.clone(), Arc::new(blocks));
+        } else {
+            let q = content.tensor(&mut reader, &spec.gguf, &Device::Cpu).map_err(fail)?;
             let mut t = q.dequantize(&Device::Cpu).map_err(fail)?;
+            drop(q);
             if let Some(heads) = spec.rope_heads {
                 t = unpermute(&t, heads).map_err(fail)?;
             }
             let t = t.to_dtype(dtype).and_then(|t| t.to_device(device)).map_err(fail)?;
             tensors.insert(spec.name.clone(), t);
         }
-        if keep_blocks {
-            // kept on the CPU as read; the engine decides how to run it
-            let kept = match spec.rope_heads {
-                Some(heads) => unpermute_rows_quantized(&q, heads).map_err(fail)?,
-                None => q,
-            };
-            qtensors.insert(spec.name.clone(), Arc::new(kept));
-        }
         progress(loaded + 1, table.len());
     }
 
-    let metadata = content
-        .metadata
-        .iter()
-        .filter(|(k, _)| k.starts_with("tokenizer.") || k.starts_with("general."))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let metadata = kept_metadata(content);
     Ok(Weights { config, tensors, qtensors, metadata, source: path.to_path_buf(), format: "gguf" })
 }
 
@@ -113,27 +115,36 @@ fn unpermute(w: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     w.reshape((heads, half, 2, inp))?.transpose(1, 2)?.contiguous()?.reshape((out, inp))
 }
 
-/// The same row reordering as [`unpermute`], on quantized data: GGUF blocks run along a
-/// row, so whole rows (a fixed number of bytes each) are moved and no value changes.
-fn unpermute_rows_quantized(q: &QTensor, heads: usize) -> candle_core::Result<QTensor> {
-    let (out, inp) = q.shape().dims2()?;
-    if heads == 0 || out % heads != 0 || !(out / heads).is_multiple_of(2) {
-        candle_core::bail!("cannot split {out} rows into {heads} heads of even size");
-    }
-    let data = q.data()?;
-    let row_bytes = data.len() / out;
-    let (d, half) = (out / heads, out / heads / 2);
-    let mut raw = Vec::with_capacity(data.len());
-    for h in 0..heads {
-        for t in 0..2 {
-            for j in 0..half {
-                // HF row h*d + t*half + j is stored at GGUF row h*d + 2j + t
-                let src = h * d + 2 * j + t;
-                raw.extend_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
+/// A matrix's bytes as the file stores them, with the row reordering of [`unpermute`]
+/// undone for q and k: GGUF blocks run along a row, so whole rows (a fixed number of
+/// bytes each) move and no value changes. (The header check has made sure the tensor
+/// is whole blocks inside the file.)
+fn read_blocks(content: &Content, reader: &mut BufReader<File>, spec: &TensorSpec) -> candle_core::Result<Blocks> {
+    let info = &content.tensor_infos[&spec.gguf];
+    let (rows, cols) = info.shape.dims2()?;
+    let bytes = rows * cols / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+    reader.seek(SeekFrom::Start(content.tensor_data_offset + info.offset))?;
+    let mut data = vec![0u8; bytes];
+    reader.read_exact(&mut data)?;
+    if let Some(heads) = spec.rope_heads {
+        if heads == 0 || rows % heads != 0 || !(rows / heads).is_multiple_of(2) {
+            candle_core::bail!("cannot split {rows} rows into {heads} heads of even size");
+        }
+        let row = bytes / rows;
+        let (d, half) = (rows / heads, rows / heads / 2);
+        let mut hf = Vec::with_capacity(bytes);
+        for h in 0..heads {
+            for t in 0..2 {
+                for j in 0..half {
+                    // HF row h*d + t*half + j is stored at GGUF row h*d + 2j + t
+                    let src = h * d + 2 * j + t;
+                    hf.extend_from_slice(&data[src * row..(src + 1) * row]);
+                }
             }
         }
+        data = hf;
     }
-    qtensor_from_ggml(q.dtype(), &raw, vec![out, inp], &Device::Cpu)
+    Ok(Blocks { dtype: info.ggml_dtype, rows, cols, data })
 }
 
 struct Meta<'a> {

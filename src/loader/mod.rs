@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use std::sync::Arc;
 
-use candle_core::quantized::{gguf_file, QTensor};
+use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
@@ -22,9 +22,8 @@ pub struct Weights {
     pub config: ModelConfig,
     pub tensors: HashMap<String, Tensor>,
     /// Linear-layer matrices kept in their GGUF quantized blocks (`quantized` loads only),
-    /// under the same names; such a matrix is not also in `tensors`, except the tied
-    /// embedding table, which the lookup needs as floats.
-    pub qtensors: HashMap<String, Arc<QTensor>>,
+    /// under the same names; such a matrix is not also in `tensors`.
+    pub qtensors: HashMap<String, Arc<Blocks>>,
     /// GGUF metadata (tokenizer and general keys), empty for Hugging Face directories.
     pub metadata: HashMap<String, gguf_file::Value>,
     /// Where the weights came from.
@@ -40,7 +39,7 @@ impl Weights {
             return Ok(t.dims().to_vec());
         }
         match self.qtensors.get(name) {
-            Some(q) => Ok(q.shape().dims().to_vec()),
+            Some(q) => Ok(vec![q.rows, q.cols]),
             None => Err(Error::load(&self.source, format!("tensor {name} is missing"))),
         }
     }
@@ -73,6 +72,16 @@ impl Weights {
         }
         Ok(())
     }
+}
+
+/// A matrix as a GGUF file stores it: its blocks' bytes (or 16-bit floats), rows in the
+/// Hugging Face order. Read straight from the file, with no other copy made, so that the
+/// engine can take the bytes over (kept types) or repack them one matrix at a time.
+pub struct Blocks {
+    pub dtype: GgmlDType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<u8>,
 }
 
 /// One weight of a Llama model, everything kvcandle knows about it stated once: its
@@ -207,6 +216,31 @@ fn expected_tensors(config: &ModelConfig, present: usize, source: &Path) -> Resu
 /// Called as loading advances with (tensors done, tensors in all).
 pub type Progress<'a> = &'a (dyn Fn(usize, usize) + Sync);
 
+/// The metadata of a GGUF file that holds a Llama model (`tokenizer.*` and `general.*`
+/// keys), read from its header alone: the tokenizer can be built before the weights load.
+pub fn gguf_metadata(path: &Path) -> Result<HashMap<String, gguf_file::Value>> {
+    guarded(path, || gguf::metadata(path))
+}
+
+/// Runs a reader on an existing path; a panic inside candle's readers (a malformed file can
+/// trigger some) becomes [`Error::Load`].
+fn guarded<T>(path: &Path, read: impl FnOnce() -> Result<T>) -> Result<T> {
+    if !path.exists() {
+        return Err(Error::NotFound { path: path.to_path_buf() });
+    }
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(read)) {
+        Ok(r) => r,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("unknown panic");
+            Err(Error::load(path, format!("malformed file ({msg})")))
+        }
+    }
+}
+
 /// Loads a GGUF file or a Hugging Face directory.
 ///
 /// Panics inside candle's readers (a malformed file can trigger some) are turned into
@@ -215,37 +249,17 @@ pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<Weights> {
     load_with_progress(path, dtype, device, false, &|_, _| {})
 }
 
-/// [`load`], reporting progress. With `quantized`, a GGUF file's linear-layer matrices
-/// stay in their quantized blocks (for candle's quantized matmul) instead of being
-/// dequantized; Hugging Face directories have no such blocks and are refused.
+/// [`load`], reporting progress. With `quantized`, linear-layer matrices stay as the file
+/// stores them (GGUF blocks, or 16-bit floats of a GGUF file or a Hugging Face directory)
+/// instead of being converted to `dtype`.
 pub fn load_with_progress(path: &Path, dtype: DType, device: &Device, quantized: bool, progress: Progress<'_>) -> Result<Weights> {
-    if quantized && path.is_dir() {
-        return Err(Error::Input(format!(
-            "quantized=True keeps a GGUF file's quantized blocks, but {} is a Hugging Face directory of float weights",
-            path.display()
-        )));
-    }
-    if !path.exists() {
-        return Err(Error::NotFound { path: path.to_path_buf() });
-    }
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    let weights = guarded(path, || {
         if path.is_dir() {
-            safetensors::load_dir(path, dtype, device, progress)
+            safetensors::load_dir(path, dtype, device, quantized, progress)
         } else {
             gguf::load_file(path, dtype, device, quantized, progress)
         }
-    }));
-    let weights = match result {
-        Ok(r) => r?,
-        Err(panic) => {
-            let msg = panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("unknown panic");
-            return Err(Error::load(path, format!("malformed file ({msg})")));
-        }
-    };
+    })?;
     weights.check_shapes()?;
     Ok(weights)
 }

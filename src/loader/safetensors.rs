@@ -3,16 +3,20 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::{Load, MmapedSafetensors};
 use candle_core::{DType, Device};
 use candle_transformers::models::llama::{LlamaConfig, LlamaEosToks};
 
-use super::{expected_tensors, Progress, Weights};
+use safetensors::Dtype;
+
+use super::{expected_tensors, Blocks, Progress, Weights};
 use crate::config::ModelConfig;
 use crate::error::{message, Error, Result};
 
-pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device, progress: Progress<'_>) -> Result<Weights> {
+pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device, quantized: bool, progress: Progress<'_>) -> Result<Weights> {
     let config = read_config(dir)?;
     let files = weight_files(dir)?;
     // Each shard's header is validated by the safetensors crate (offsets inside the
@@ -51,17 +55,29 @@ pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device, progress: Prog
         views.push((spec, file, view));
     }
     let mut tensors = HashMap::with_capacity(table.len());
+    let mut qtensors = HashMap::new();
     let total = views.len();
     for (done, (spec, file, view)) in views.into_iter().enumerate() {
-        let t = view
-            .load(&Device::Cpu)
-            .and_then(|t| t.to_dtype(dtype))
-            .and_then(|t| t.to_device(device))
-            .map_err(|e| Error::load(file, format!("tensor {}: {}", spec.name, message(e))))?;
-        tensors.insert(spec.name.clone(), t);
+        // with `quantized`, 16-bit matrices stay as stored (widened as they are multiplied)
+        let half = match view.dtype() {
+            Dtype::F16 => Some(GgmlDType::F16),
+            Dtype::BF16 => Some(GgmlDType::BF16),
+            _ => None,
+        };
+        if let (true, true, Some(half), [rows, cols]) = (quantized, spec.linear, half, view.shape()) {
+            let blocks = Blocks { dtype: half, rows: *rows, cols: *cols, data: view.data().to_vec() };
+            qtensors.insert(spec.name.clone(), Arc::new(blocks));
+        } else {
+            let t = view
+                .load(&Device::Cpu)
+                .and_then(|t| t.to_dtype(dtype))
+                .and_then(|t| t.to_device(device))
+                .map_err(|e| Error::load(file, format!("tensor {}: {}", spec.name, message(e))))?;
+            tensors.insert(spec.name.clone(), t);
+        }
         progress(done + 1, total);
     }
-    Ok(Weights { config, tensors, qtensors: HashMap::new(), metadata: HashMap::new(), source: dir.to_path_buf(), format: "safetensors" })
+    Ok(Weights { config, tensors, qtensors, metadata: HashMap::new(), source: dir.to_path_buf(), format: "safetensors" })
 }
 
 /// The safetensors dtypes weights may be stored in (as the safetensors crate names them).
