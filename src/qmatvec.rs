@@ -6,8 +6,9 @@
 //! minimum `m` and 32 four-bit values; Q8_0: a scale and 32 bytes; the half-precision
 //! scales are converted to float32 once, at load; every other block type byte for byte,
 //! read through [`crate::blocks`]) and split rows across threads. When the CPU has AVX2
-//! and FMA (detected at run time) the activations are quantized to int8 per block and
-//! multiplied as integers, as llama.cpp does; otherwise a portable float32 loop runs.
+//! and FMA (detected at run time), and on every 64-bit ARM CPU (NEON is part of the
+//! architecture), the activations are quantized to int8 per block and multiplied as
+//! integers, as llama.cpp does; otherwise a portable float32 loop runs.
 
 use half::f16;
 
@@ -15,7 +16,8 @@ use crate::blocks::{Format, SUB};
 
 const BLOCK: usize = 32;
 
-/// Whether the CPU has AVX2, FMA and F16C, detected once.
+/// Whether the integer kernels run (x86-64: the CPU has AVX2, FMA and F16C; aarch64:
+/// always), detected once.
 static SIMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -210,6 +212,15 @@ impl QMatrix {
                         QKind::Blocks(_) | QKind::F16 | QKind::BF16 => unreachable!("handled above"),
                     }
                 },
+                #[cfg(target_arch = "aarch64")]
+                Some((xq, xd)) => unsafe {
+                    // SAFETY: NEON is part of aarch64; the kernels check the slices' lengths
+                    match self.kind {
+                        QKind::Q4_1 => dot_q4_1_neon(row, xq, xd, &input.block_sums),
+                        QKind::Q8_0 => dot_q8_0_neon(row, xq, xd),
+                        QKind::Blocks(_) | QKind::F16 | QKind::BF16 => unreachable!("handled above"),
+                    }
+                },
                 _ => dot_portable(self.kind, row, &input.x, &input.block_sums),
             };
         }
@@ -347,6 +358,90 @@ fn has_avx2_fma() -> bool {
     }
 }
 
+/// Whether this CPU runs the int8 kernels: AVX2 + FMA + F16C on x86-64; NEON, which every
+/// aarch64 CPU has, on ARM.
+fn has_int8_kernels() -> bool {
+    cfg!(target_arch = "aarch64") || has_avx2_fma()
+}
+
+/// The sum of the 16 products of two registers of bytes (values below 128 in magnitude:
+/// each product fits 16 bits), in four 32-bit lanes.
+#[cfg(target_arch = "aarch64")]
+#[inline(always)]
+unsafe fn dot16_neon(q: std::arch::aarch64::int8x16_t, x: std::arch::aarch64::int8x16_t) -> std::arch::aarch64::int32x4_t {
+    use std::arch::aarch64::*;
+    let lo = vmull_s8(vget_low_s8(q), vget_low_s8(x));
+    vpadalq_s16(vpaddlq_s16(lo), vmull_high_s8(q, x))
+}
+
+/// [`dot_q4_1_avx2`] with NEON: the nibbles split by mask and shift, products widened to
+/// 16 bits and summed in pairs into 32-bit lanes.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn dot_q4_1_neon(row: Row<'_>, xq: &[i8], xd: &[f32], block_sums: &[f32]) -> f32 {
+    use std::arch::aarch64::*;
+    let blocks = row.qs.len() / 16;
+    assert!(xq.len() >= blocks * BLOCK && xd.len() >= blocks && row.scales.len() >= 2 * blocks);
+    let mask = vdupq_n_u8(0x0F);
+    let mut acc = vdupq_n_f32(0.0);
+    let mut offset = 0f32;
+    for b in 0..blocks {
+        let packed = vld1q_u8(row.qs.as_ptr().add(b * 16));
+        let lo = vreinterpretq_s8_u8(vandq_u8(packed, mask));
+        let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(packed));
+        let x = xq.as_ptr().add(b * BLOCK);
+        let sums = vaddq_s32(dot16_neon(lo, vld1q_s8(x)), dot16_neon(hi, vld1q_s8(x.add(16))));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(sums), row.scales[2 * b] * xd[b]);
+        offset += row.scales[2 * b + 1] * block_sums[b];
+    }
+    vaddvq_f32(acc) + offset
+}
+
+/// [`dot_q8_0_avx2`] with NEON (signed bytes multiply directly).
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn dot_q8_0_neon(row: Row<'_>, xq: &[i8], xd: &[f32]) -> f32 {
+    use std::arch::aarch64::*;
+    let blocks = row.qs.len() / 32;
+    assert!(xq.len() >= blocks * BLOCK && xd.len() >= blocks && row.scales.len() >= blocks);
+    let mut acc = vdupq_n_f32(0.0);
+    for b in 0..blocks {
+        let q = row.qs.as_ptr().add(b * 32) as *const i8;
+        let x = xq.as_ptr().add(b * BLOCK);
+        let sums = vaddq_s32(dot16_neon(vld1q_s8(q), vld1q_s8(x)), dot16_neon(vld1q_s8(q.add(16)), vld1q_s8(x.add(16))));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(sums), row.scales[b] * xd[b]);
+    }
+    vaddvq_f32(acc)
+}
+
+/// [`dot_blocks_q8_avx2`] with NEON: each sub-block's integers (0..64, read by
+/// [`Format::values`]) times the int8 activations, a half (16 values) per register.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn dot_blocks_q8_neon<const F: u8>(row: &[u8], xq: &[i8], xd: &[f32], half_sums: &[f32]) -> f32 {
+    use std::arch::aarch64::*;
+    let f = Format::from_id(F);
+    let subs = f.block_values() / SUB;
+    assert!(xq.len() >= row.len() / f.block_bytes() * f.block_values());
+    let mut acc = vdupq_n_f32(0.0);
+    let mut offset = 0f32;
+    for (b, block) in row.chunks_exact(f.block_bytes()).enumerate() {
+        let scales = f.scales(block);
+        for s in 0..subs {
+            let k = b * subs + s;
+            let q = f.values(block, s);
+            let (scale, min) = (scales.scale[s], scales.min[s]);
+            let x = xq.as_ptr().add(k * SUB);
+            let lo = vcvtq_f32_s32(dot16_neon(vreinterpretq_s8_u8(vld1q_u8(q.as_ptr())), vld1q_s8(x)));
+            let hi = vcvtq_f32_s32(dot16_neon(vreinterpretq_s8_u8(vld1q_u8(q.as_ptr().add(16))), vld1q_s8(x.add(16))));
+            let d = xd[k];
+            acc = vfmaq_n_f32(vfmaq_n_f32(acc, lo, scale[0] * d), hi, scale[1] * d);
+            offset += min[0] * half_sums[2 * k] + min[1] * half_sums[2 * k + 1];
+        }
+    }
+    vaddvq_f32(acc) - offset
+}
+
 #[inline(always)]
 fn dot_portable(kind: QKind, row: Row<'_>, x: &[f32], block_sums: &[f32]) -> f32 {
     match kind {
@@ -380,9 +475,9 @@ fn dot_half(bf16: bool, row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
-/// Whether the AVX2 integer and 16-bit kernels run ([`SIMD`]).
+/// Whether the int8 kernels run ([`SIMD`]); on x86-64 also the AVX2 16-bit kernel.
 fn simd() -> bool {
-    *SIMD.get_or_init(has_avx2_fma)
+    *SIMD.get_or_init(has_int8_kernels)
 }
 
 /// [`dot_half_body`] with AVX2: 16 numbers per step widened in registers (F16C's
@@ -433,9 +528,12 @@ fn dot_blocks(f: Format, row: &[u8], input: &QInput) -> f32 {
         ($($v:ident),*) => {
             match f {
                 $(Format::$v => match &input.q8 {
-                    // SAFETY: int8 activations exist only when AVX2 and FMA were detected
+                    // SAFETY: on x86-64, int8 activations exist only when AVX2 and FMA were detected
                     #[cfg(target_arch = "x86_64")]
                     Some((xq, xd)) => unsafe { dot_blocks_q8_avx2::<{ Format::$v as u8 }>(row, xq, xd, &input.half_sums) },
+                    // SAFETY: NEON is part of aarch64; the kernel checks the slices' lengths
+                    #[cfg(target_arch = "aarch64")]
+                    Some((xq, xd)) => unsafe { dot_blocks_q8_neon::<{ Format::$v as u8 }>(row, xq, xd, &input.half_sums) },
                     _ => dot_blocks_float(Format::$v, row, &input.x, &input.half_sums),
                 },)*
             }
@@ -581,8 +679,8 @@ mod tests {
             let mut got = vec![0f32; rows];
             m.mul_rows(&QMatrix::prepare(&x), 0, &mut got[..]);
             let w = m.dequantize();
-            // int8 activations (AVX2 path) cost about 1/254 of each block's largest value
-            let tol = if has_avx2_fma() { 1e-2 } else { 1e-4 };
+            // int8 activations (AVX2 / NEON path) cost about 1/254 of each block's largest value
+            let tol = if simd() { 1e-2 } else { 1e-4 };
             for r in 0..rows {
                 let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum();
                 let scale: f64 = (0..cols).map(|c| (w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
@@ -639,8 +737,8 @@ mod tests {
             assert_eq!(m.dequantize(), w, "{f:?}: dequantized rows");
             let x: Vec<f32> = (0..cols).map(|i| ((i * 37 % 17) as f32 - 8.0) / 4.0).collect();
             let got = product_checked_by_ranges(&m, &x);
-            // int8 activations (AVX2 path) cost about 1/254 of each block's largest value
-            let tol = if has_avx2_fma() { 1e-2 } else { 1e-5 };
+            // int8 activations (AVX2 / NEON path) cost about 1/254 of each block's largest value
+            let tol = if simd() { 1e-2 } else { 1e-5 };
             for r in 0..rows {
                 let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum();
                 let scale: f64 = (0..cols).map(|c| (w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
