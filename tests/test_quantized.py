@@ -51,11 +51,16 @@ def test_long_prompt_uses_the_float_path(default_quantized, default_model):
     assert max_abs(a, b) <= 1e-3
 
 
-def test_refusals(tiny_dirs, default_quantized):
-    with pytest.raises(kvcandle.InputError, match="Hugging Face directory"):
-        kvcandle.load(tiny_dirs["gqa"], quantized=True)
+def test_upstream_refuses_kept_weights(default_quantized):
     with pytest.raises(kvcandle.InputError, match="upstream Llama runs float weights"):
         default_quantized.upstream()
+
+
+def test_float32_directory_loads_quantized_as_float(tiny_dirs, tiny_models):
+    """quantized=True keeps what the file stores: float32 safetensors stay float32."""
+    q, f = kvcandle.load(tiny_dirs["gqa"], quantized=True), tiny_models["gqa"]
+    assert not q.quantized and q.weight_bytes == f.weight_bytes
+    assert max_abs(q.forward([1, 2, 3]), f.forward([1, 2, 3])) == 0.0
 
 
 def test_float_gguf_loads_quantized_as_float(tmp_path):
