@@ -3,7 +3,8 @@
 //!
 //! At start-up it builds its own tiny, valid models: GGUF files written with candle's
 //! `gguf_file::write` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2K-Q6K tensors,
-//! tied and untied, GGUF v2 and v3, a head dim other than hidden / heads) and Hugging Face
+//! tied and untied, GGUF v2 and v3, a head dim other than hidden / heads, Llama 3 RoPE
+//! factors in `rope_freqs.weight`) and Hugging Face
 //! directories (`config.json` + `model.safetensors` in F32/F16/BF16/F64, one sharded
 //! with `model.safetensors.index.json`). Each one must load and run, or the fuzzer stops.
 //! Then, case after case, it takes one of them, applies 1 to 4 random mutations and feeds
@@ -18,7 +19,8 @@
 //! their product back to the old size), type, offset, name and dimension count, whole
 //! tensor-info and metadata entries duplicated or removed (with the counts fixed), a
 //! metadata value replaced (block_count, context_length 2^24 + 1, head counts,
-//! general.alignment, ... in another integer type, a float, a string, an array), length
+//! general.alignment, ... in another integer type, a float, a string, an array), a RoPE
+//! factor set to 0, a negative, NaN, an infinity or a subnormal, length
 //! prefixes, keys and names holding a newline. A header edit that changes its length
 //! moves the tensor data back to an aligned start, so only the intended field is wrong.
 //! Hugging Face: config.json as JSON (numbers set to 0, -1, 1e9, 2^64, floats, strings,
@@ -476,18 +478,24 @@ fn random_tensor(rng: &mut Rng, spec: &TensorSpec) -> candle_core::Result<Tensor
 }
 
 /// A GGUF file of a model of `dims`, tensor `spec` stored as `kind(spec)`, with
-/// llama.cpp's metadata, `extra` entries replacing or following it, written as `version`.
+/// llama.cpp's metadata, `extra` entries replacing or following it, written as `version`;
+/// with `rope_factors`, Llama 3 RoPE scaling as llama.cpp writes it (`rope_freqs.weight`).
 fn gguf_seed(
     dims: &ModelDims,
     kind: fn(&TensorSpec) -> GgmlDType,
     extra: Vec<(&str, Value)>,
     version: u32,
+    rope_factors: Option<Vec<f32>>,
 ) -> candle_core::Result<Vec<u8>> {
     let mut rng = Rng::new(0x5eed_6775);
     let mut tensors = Vec::new();
     for spec in tensor_table(&dims.config()) {
         let q = QTensor::quantize(&random_tensor(&mut rng, &spec)?, kind(&spec))?;
         tensors.push((spec.gguf.clone(), q));
+    }
+    if let Some(factors) = rope_factors {
+        let n = factors.len();
+        tensors.push((ROPE_FREQS.to_string(), QTensor::quantize(&Tensor::from_vec(factors, n, &Device::Cpu)?, GgmlDType::F32)?));
     }
     let tokens: Vec<Value> = (0..dims.vocab)
         .map(|i| Value::String(["<unk>", "<s>", "</s>"].get(i).map_or_else(|| format!("t{i}"), |s| s.to_string())))
@@ -583,6 +591,7 @@ fn build_seeds(scratch: &Path) -> candle_core::Result<(Vec<Seed>, Vec<Seed>)> {
                 },
                 vec![],
                 2,
+                None,
             )?),
         },
         Seed {
@@ -605,6 +614,7 @@ fn build_seeds(scratch: &Path) -> candle_core::Result<(Vec<Seed>, Vec<Seed>)> {
                     ("llama.rope.scaling.type", Value::String("none".into())),
                 ],
                 3,
+                None,
             )?),
         },
         Seed {
@@ -625,6 +635,7 @@ fn build_seeds(scratch: &Path) -> candle_core::Result<(Vec<Seed>, Vec<Seed>)> {
                     ("llama.rope.freq_base", Value::F64(10_000.0)),
                 ],
                 3,
+                None,
             )?),
         },
         Seed {
@@ -645,6 +656,18 @@ fn build_seeds(scratch: &Path) -> candle_core::Result<(Vec<Seed>, Vec<Seed>)> {
                 },
                 vec![],
                 2,
+                None,
+            )?),
+        },
+        Seed {
+            name: "gguf-llama3-rope",
+            weight: 15,
+            input: gguf(gguf_seed(
+                &ModelDims { vocab: 40, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, ff: 96, layers: 1, tied: true },
+                |s| if s.linear { G::Q8_0 } else { G::F32 },
+                vec![("llama.rope.freq_base", Value::F32(500_000.0))],
+                3,
+                Some(vec![1.0, 1.0, 1.0, 1.5, 2.5, 4.0, 8.0, 8.0]),
             )?),
         },
     ];
@@ -993,6 +1016,7 @@ const GGUF_MUTATORS: &[(u32, GgufMutator)] = &[
     (3, tensor_n_dims_consistent),
     (5, tensor_type),
     (5, tensor_offset),
+    (3, rope_factor),
     (4, tensor_name),
     (3, tensor_entry),
     // metadata
@@ -1227,6 +1251,23 @@ fn tensor_offset(rng: &mut Rng, b: &mut Vec<u8>, l: &GgufLayout) -> Option<Strin
         _ => interesting(rng, orig),
     };
     write_le(b, at, 8, v).then(|| format!("tensor {} offset {} -> {}", t.name, show(orig), show(v)))
+}
+
+/// llama.cpp's name of the Llama 3 RoPE factors tensor.
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// One of the Llama 3 RoPE factors (a float32 tensor) set to a special float: 0, a
+/// negative, NaN, an infinity, the smallest subnormal or the largest float.
+fn rope_factor(rng: &mut Rng, b: &mut Vec<u8>, l: &GgufLayout) -> Option<String> {
+    let t = l.tensors.iter().find(|t| t.name == ROPE_FREQS && t.type_id == 0)?;
+    if !l.complete {
+        return None;
+    }
+    let offset = read_le(b, t.offset_at(), 8)? as usize;
+    let n = t.dims.first().copied()? as usize;
+    let at = l.data_start().checked_add(offset)?.checked_add(4 * rng.below(n.max(1)))?;
+    let v = *rng.pick(&[0f32, -1.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::from_bits(1), f32::MAX, -0.0]);
+    write_le(b, at, 4, u64::from(v.to_bits())).then(|| format!("{ROPE_FREQS} value at byte {at} = {v}"))
 }
 
 /// A key or name with a twist: another entry's (a duplicate), one character changed, a
