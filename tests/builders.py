@@ -167,6 +167,7 @@ class Vocabulary:
     merges: Optional[list[str]] = None
     pre: Optional[str] = None
     add_bos: Optional[bool] = None
+    chat_template: Optional[str] = None
 
 
 def write_gguf(
@@ -217,6 +218,8 @@ def write_gguf(
             writer.add_tokenizer_pre(v.pre)
         if v.add_bos is not None:
             writer.add_add_bos_token(v.add_bos)
+        if v.chat_template is not None:
+            writer.add_chat_template(v.chat_template)
     else:
         alphabet = [chr(c) for c in range(ord("!"), ord("!") + s.vocab - 3)]
         writer.add_tokenizer_model(tokenizer)

@@ -1,7 +1,8 @@
 """The tokenizers a GGUF file describes, built by kvcandle from its metadata, against
 transformers' own GGUF tokenizer conversion of the same file (AutoTokenizer with
 ``gguf_file=``): ids and decoded text on texts with special tokens, whitespace runs, CJK,
-emoji and characters only bytes can spell.
+emoji and characters only bytes can spell; the chat template the file holds, rendered
+and tokenized, and a conversation with a quantized model of each kind.
 
 - "llama": SentencePiece BPE with byte fallback (Llama 1/2, TinyLlama, Mistral), merges
   recovered from the scores.
@@ -11,10 +12,12 @@ emoji and characters only bytes can spell.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import kvcandle
-from builders import Shape, Vocabulary, write_gguf
+from builders import Shape, Vocabulary, quantized_weights, write_gguf
 
 TEXTS = [
     "the thin hat",
@@ -114,3 +117,56 @@ def test_sentencepiece_without_scores_or_merges_is_refused(tmp_path):
     path = write_gguf(tmp_path / "bad.gguf", Shape("bad", vocab=len(v.tokens), hidden=32, heads=4, kv_heads=2), tokenizer=bad)
     with pytest.raises(kvcandle.ModelLoadError, match="tokenizer.ggml.scores"):
         kvcandle.load(path)
+
+
+# Llama 2's chat template (as its tokenizer_config.json has it), and a Llama 3 style one
+LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = messages[0]['content'] %}"
+    "{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|user|>' if m['role'] == 'user' else '<|end|>' }}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|end|>{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "name,vocab,template",
+    [("sentencepiece", sentencepiece(), LLAMA2_TEMPLATE), ("llama3", byte_level("llama-bpe"), LLAMA3_TEMPLATE)],
+)
+def test_a_quantized_model_chats_with_the_files_template(tmp_path, name, vocab, template):
+    from transformers import AutoTokenizer
+
+    shape = Shape(name, vocab=len(vocab.tokens), hidden=256, intermediate=512, heads=4, kv_heads=2, layers=1, max_pos=256)
+    floats, blocks = quantized_weights(shape, "Q4_K", seed=1)
+    path = write_gguf(tmp_path / f"{name}.gguf", shape, tokenizer=dataclasses.replace(vocab, chat_template=template), weights=floats, blocks=blocks)
+    model = kvcandle.load(path, quantized=True)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    tok = model.tokenizer
+    assert model.quantized and tok is not None and tok.chat_template == template
+
+    said = [{"role": "user", "content": "the thin hat"}, {"role": "assistant", "content": "and the world"}, {"role": "user", "content": " 你好 12345 "}]
+    for n in (1, 3):
+        want = theirs.apply_chat_template(said[:n], add_generation_prompt=True, tokenize=False)
+        assert tok.apply_chat_template(said[:n], add_generation_prompt=True) == want
+        assert tok.encode(want, add_special_tokens=False) == theirs.encode(want, add_special_tokens=False)
+
+    # each turn, the ids the model is given spell the template's rendering of the
+    # conversation so far; where the template renders earlier turns as they were said (the
+    # Llama 3 style one), the model's own ids are kept as it wrote them
+    chat = kvcandle.Conversation(model)
+    for text in ("the thin hat", "and the world"):
+        before, kept = chat.messages + [{"role": "user", "content": text}], list(chat.tokens)
+        reply = chat.send(text, max_tokens=3)
+        seen = chat.tokens[: len(chat.tokens) - len(reply.tokens) - 1]  # less the reply and the end of turn
+        assert tok.decode(seen) == tok.apply_chat_template(before, add_generation_prompt=True)
+        assert len(chat.cache) >= len(seen)
+        if template == LLAMA3_TEMPLATE:
+            assert chat.tokens[: len(kept)] == kept
+    assert chat.turns == 2

@@ -30,7 +30,9 @@ class Conversation:
 
     Each :meth:`send` renders the chat template over the messages, tokenizes only the
     part after what was already said (so the ids the model wrote itself are kept as it
-    wrote them), and brings the cache in line with :meth:`kvcandle.Model.sync`.
+    wrote them) or, when the template renders earlier turns otherwise than they were said
+    (Llama 2's strips replies), the whole rendering, and brings the cache in line with
+    :meth:`kvcandle.Model.sync`.
 
     Raises:
         InputError: the model has no tokenizer with a chat template.
