@@ -5,7 +5,8 @@ llama-cpp-python is installed, by llama.cpp on the same file:
     python bench/bench_quant.py [--threads N] [--types Q8_0 Q4_K_M ...] [--tokens 20]
 
 Per type: the file's size and the tensor types llama.cpp chose, the bytes of weights
-kvcandle holds, decode speed of both engines (engines in turns, medians of 3), and
+kvcandle holds, decode and 512-token prefill speed of both engines (engines in turns,
+medians of 3; llama.cpp's prefill context keeps only the last logits, as kvcandle), and
 quality against float32: along a reference sequence (the float32 model's greedy
 continuation of a prompt), teacher-forced, the positions where the quantized model's top
 token equals float32's, and the largest logit difference from float32.
@@ -75,6 +76,15 @@ def decode_speed(step, first: int, steps: int = 16) -> float:
     return steps / (time.perf_counter() - t)
 
 
+PREFILL = 512
+
+
+def prefill_speed(run, ids: list[int]) -> float:
+    t = time.perf_counter()
+    run(ids)
+    return len(ids) / (time.perf_counter() - t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -118,22 +128,34 @@ def main() -> None:
             llm.eval([tok])
             return int(np.argmax(llm.scores[llm.n_tokens - 1]))
 
-        speeds: dict[str, list[float]] = {"kvcandle": [], "llama.cpp": []}
+        batch = llama_cpp.Llama(str(path), n_ctx=PREFILL + 8, n_batch=PREFILL, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+        long_ids = [(prompt[i % len(prompt)] + 7 * i) % model.config.vocab_size for i in range(PREFILL)]
+
+        def theirs_prefill(ids):
+            batch.reset()
+            batch.eval(ids)
+
+        speeds: dict[str, list[float]] = {k: [] for k in ("kvcandle", "llama.cpp", "kvcandle prefill", "llama.cpp prefill")}
         for _ in range(args.rounds):
             speeds["kvcandle"].append(decode_speed(ours_step, prompt[0]))
             llm.reset()
             llm.eval(prompt[:1])
             speeds["llama.cpp"].append(decode_speed(theirs_step, prompt[0]))
+            speeds["kvcandle prefill"].append(prefill_speed(lambda ids: model.forward(ids, model.new_cache()), long_ids))
+            speeds["llama.cpp prefill"].append(prefill_speed(theirs_prefill, long_ids))
         rows.append((name, path.stat().st_size, tensor_types(path), model.weight_bytes, ours, theirs, {k: statistics.median(v) for k, v in speeds.items()}))
-        del llm, model
+        del llm, batch, model
 
     print(f"reference: float32 greedy continuation of {PROMPT!r}, {len(ids) - start} positions scored\n")
-    print("| file | size MB | tensor types | kvcandle weights MB | top-1 vs f32: kvcandle | llama.cpp | max logit diff: kvcandle | llama.cpp | decode tok/s: kvcandle | llama.cpp |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| file | size MB | tensor types | kvcandle weights MB | top-1 vs f32: kvcandle | llama.cpp | max logit diff: kvcandle | llama.cpp "
+        f"| decode tok/s: kvcandle | llama.cpp | prefill {PREFILL} tok/s: kvcandle | llama.cpp |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, size, types, held, ours, theirs, sp in rows:
         print(
             f"| {name} | {size / 1e6:.0f} | {types} | {held / 1e6:.0f} | {ours[0]}/{ours[1]} | {theirs[0]}/{theirs[1]} | "
-            f"{ours[2]:.2f} | {theirs[2]:.2f} | {sp['kvcandle']:.1f} | {sp['llama.cpp']:.1f} |"
+            f"{ours[2]:.2f} | {theirs[2]:.2f} | {sp['kvcandle']:.1f} | {sp['llama.cpp']:.1f} | {sp['kvcandle prefill']:.0f} | {sp['llama.cpp prefill']:.0f} |"
         )
 
 

@@ -185,6 +185,20 @@ impl Format {
         q
     }
 
+    /// For the formats whose block is one 32-value sub-block (Q4_0, Q4_1, Q5_0, Q5_1): the
+    /// block's minimum from its two leading half-precision numbers as float32, `d` (the
+    /// scale) and `second` (the stored minimum `m` of Q4_1 and Q5_1: value = d·q + m; the
+    /// start of the values for the others: value = d·(q - 8) or d·(q - 16)).
+    #[inline(always)]
+    pub fn small_min(self, d: f32, second: f32) -> f32 {
+        match self {
+            Format::Q4_0 => 8.0 * d,
+            Format::Q5_0 => 16.0 * d,
+            Format::Q4_1 | Format::Q5_1 => -second,
+            _ => unreachable!("{self:?} has several sub-blocks per block"),
+        }
+    }
+
     /// The scales and minimums of every sub-block of `block`, each half-precision number
     /// and packed scale read once.
     #[inline(always)]
@@ -192,12 +206,10 @@ impl Format {
         let mut out = Scales { scale: [[0.0; 2]; 8], min: [[0.0; 2]; 8] };
         let subs = self.block_values() / SUB;
         match self {
-            Format::Q4_0 | Format::Q5_0 => {
+            Format::Q4_0 | Format::Q5_0 | Format::Q4_1 | Format::Q5_1 => {
                 let d = half_at(block, 0);
-                let offset = if self == Format::Q4_0 { 8.0 } else { 16.0 };
-                (out.scale[0], out.min[0]) = ([d; 2], [offset * d; 2]);
+                (out.scale[0], out.min[0]) = ([d; 2], [self.small_min(d, half_at(block, 2)); 2]);
             }
-            Format::Q4_1 | Format::Q5_1 => (out.scale[0], out.min[0]) = ([half_at(block, 0); 2], [-half_at(block, 2); 2]),
             Format::Q2K => {
                 let (d, dmin) = (half_at(block, 80), half_at(block, 82));
                 for s in 0..subs {

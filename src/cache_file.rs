@@ -275,7 +275,6 @@ mod tests {
             config,
             tensors,
             qtensors: HashMap::new(),
-            metadata: HashMap::new(),
             source: PathBuf::from("tiny"),
             format: "safetensors",
         };

@@ -72,7 +72,6 @@ impl Llama {
             config: w.config.clone(),
             tensors: w.tensors.clone(),
             qtensors: w.qtensors.clone(),
-            metadata: Default::default(),
             source: w.source.clone(),
             format: w.format,
         };
@@ -82,7 +81,7 @@ impl Llama {
     /// Builds the engine, taking each tensor out of `w` as it is used, so that a tensor
     /// copied into another form (q/k/v and gate/up stacked, GGUF blocks repacked) is
     /// released at once and loading never holds two copies of the weights. Returns what
-    /// is left of `w` (config, metadata, source; no tensors).
+    /// is left of `w` (config, source; no tensors).
     pub fn from_weights(mut w: Weights) -> Result<(Self, Weights)> {
         let c = w.config.clone();
         let (dtype, device, quantized) = (w.dtype(), w.device(), w.is_quantized());

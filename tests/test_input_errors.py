@@ -113,7 +113,7 @@ def test_tokenizer_config_fields_of_every_accepted_shape(tok_dir):
 @pytest.fixture(scope="module")
 def meta(default_model) -> dict:
     """The default model's GGUF metadata (SmolLM2's gpt2 tokenizer). Never mutate it: copy."""
-    return default_model._inner.gguf_metadata()
+    return kvcandle._core.read_gguf_metadata(str(default_model.path))
 
 
 def with_changed(meta: dict, key: str, change) -> dict:

@@ -248,7 +248,8 @@ def test_loading_holds_one_copy_of_the_weights():
     quantized blocks are read straight into the buffers the engine keeps and repacked in
     place, and the tokenizer is built from the GGUF header before the weights load: the
     engine's load peaks within 1.2x the weights it keeps (float32 1.6x and quantized 1.41x
-    before), and the whole load's peak is its end state (nothing transient on top)."""
+    before), and the whole load within that plus the tokenizer (about 14 MB for the
+    default model's 49,152 tokens; 20 MB allowed)."""
 
     def measure(quantized: bool, part: str) -> dict:
         out = subprocess.run([sys.executable, "-c", _RSS_CHILD, "1" if quantized else "0", part], capture_output=True, text=True, check=True)
@@ -257,7 +258,7 @@ def test_loading_holds_one_copy_of_the_weights():
     for quantized in (False, True):
         engine, whole = measure(quantized, "engine"), measure(quantized, "load")
         assert engine["peak"] - engine["before"] <= 1.2 * engine["weights"], (quantized, engine)
-        assert whole["peak"] - whole["after"] <= 0.05 * whole["weights"], (quantized, whole)
+        assert whole["peak"] - whole["before"] <= 1.2 * whole["weights"] + 20e6, (quantized, whole)
         if quantized:
             assert engine["weights"] < 0.25 * f32_weights  # blocks, not a float copy
         else:
@@ -269,8 +270,8 @@ def test_read_gguf_metadata_reads_the_header_as_load_checks_it(tmp_path, default
     """The tokenizer is built from the header before the weights load; that read refuses
     what the load refuses, by the same typed errors."""
     meta = kvcandle._core.read_gguf_metadata(str(kvcandle.default_model_path()))
-    assert meta == default_model._inner.gguf_metadata()
     assert len(meta["tokenizer.ggml.tokens"]) == default_model.config.vocab_size
+    assert meta["general.architecture"] == "llama" and not any(k.startswith("llama.") for k in meta)
     with pytest.raises(kvcandle.ModelNotFoundError):
         kvcandle._core.read_gguf_metadata(str(tmp_path / "absent.gguf"))
     other = write_gguf(tmp_path / "gpt2.gguf", SHAPES[0], arch="gpt2")

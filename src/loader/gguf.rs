@@ -32,13 +32,10 @@ fn llama_header(path: &Path) -> Result<(Content, ModelConfig)> {
     Ok((content, config))
 }
 
-/// The metadata a model keeps: the tokenizer's and the general keys.
+/// The tokenizer's and the general metadata keys (the loaded model keeps none of them).
 pub(super) fn metadata(path: &Path) -> Result<HashMap<String, Value>> {
-    Ok(kept_metadata(llama_header(path)?.0))
-}
-
-fn kept_metadata(content: Content) -> HashMap<String, Value> {
-    content.metadata.into_iter().filter(|(k, _)| k.starts_with("tokenizer.") || k.starts_with("general.")).collect()
+    let content = llama_header(path)?.0;
+    Ok(content.metadata.into_iter().filter(|(k, _)| k.starts_with("tokenizer.") || k.starts_with("general.")).collect())
 }
 
 pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: bool, progress: Progress<'_>) -> Result<Weights> {
@@ -82,8 +79,7 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
         progress(loaded + 1, table.len());
     }
 
-    let metadata = kept_metadata(content);
-    Ok(Weights { config, tensors, qtensors, metadata, source: path.to_path_buf(), format: "gguf" })
+    Ok(Weights { config, tensors, qtensors, source: path.to_path_buf(), format: "gguf" })
 }
 
 /// llama.cpp's form of Llama 3 RoPE scaling: a divisor per frequency in the tensor

@@ -24,8 +24,6 @@ pub struct Weights {
     /// Linear-layer matrices kept in their GGUF quantized blocks (`quantized` loads only),
     /// under the same names; such a matrix is not also in `tensors`.
     pub qtensors: HashMap<String, Arc<Blocks>>,
-    /// GGUF metadata (tokenizer and general keys), empty for Hugging Face directories.
-    pub metadata: HashMap<String, gguf_file::Value>,
     /// Where the weights came from.
     pub source: PathBuf,
     /// "gguf" or "safetensors".

@@ -77,7 +77,7 @@ pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device, quantized: boo
         }
         progress(done + 1, total);
     }
-    Ok(Weights { config, tensors, qtensors, metadata: HashMap::new(), source: dir.to_path_buf(), format: "safetensors" })
+    Ok(Weights { config, tensors, qtensors, source: dir.to_path_buf(), format: "safetensors" })
 }
 
 /// The safetensors dtypes weights may be stored in (as the safetensors crate names them).
