@@ -8,8 +8,9 @@ Per type: the file's size and the tensor types llama.cpp chose, the bytes of wei
 kvcandle holds, decode and 512-token prefill speed of both engines (engines in turns,
 medians of 3; llama.cpp's prefill context keeps only the last logits, as kvcandle), and
 quality against float32: along a reference sequence (the float32 model's greedy
-continuation of a prompt), teacher-forced, the positions where the quantized model's top
-token equals float32's, and the largest logit difference from float32.
+continuation of a prompt), teacher-forced one token at a time as generation runs (for
+kvcandle: int8 activations), the positions where the quantized model's top token equals
+float32's, and the largest logit difference from float32.
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def tensor_types(path: Path) -> str:
 
 
 def kvcandle_logits(model: kvcandle.Model, ids: list[int]) -> np.ndarray:
-    return np.asarray(model.forward(ids, model.new_cache(), all_logits=True), dtype=np.float64)
+    """Teacher-forced one token at a time: the path generation takes (single-token steps
+    multiply the blocks with int8 activations; prompts longer than 8 tokens dequantize)."""
+    cache = model.new_cache()
+    return np.stack([np.asarray(model.forward([t], cache), dtype=np.float64) for t in ids])
 
 
 def llama_logits(llm, ids: list[int]) -> np.ndarray:

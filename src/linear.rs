@@ -34,14 +34,13 @@ impl Linear {
         Self::Float(candle_nn::Linear::new(weight, None))
     }
 
-    /// GGUF blocks are kept (Q4_1 and Q8_0 repacked with float32 scales for their
-    /// integer kernels, the other block types and 16-bit floats byte for byte, the buffer
+    /// GGUF blocks are kept (Q8_0 repacked with a float32 scale for its integer kernel, the
+    /// other block types and 16-bit floats byte for byte, the buffer
     /// taken over when no one else holds it); float32 and anything off the CPU or for a
     /// non-float32 model are dequantized to `dtype` on `device`.
     pub fn quantized(weight: Arc<Blocks>, dtype: DType, device: &Device) -> Result<Self> {
         let (rows, cols, ggml) = (weight.rows, weight.cols, weight.dtype);
         let kind = match ggml {
-            GgmlDType::Q4_1 => Some(QKind::Q4_1),
             GgmlDType::Q8_0 => Some(QKind::Q8_0),
             GgmlDType::F16 => Some(QKind::F16),
             GgmlDType::BF16 => Some(QKind::BF16),
@@ -318,18 +317,8 @@ mod tests {
     use super::*;
 
     fn q4_1(rows: usize, cols: usize, seed: u64) -> QMatrix {
-        let mut s = seed;
-        let mut next = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (s >> 33) as u32
-        };
-        let mut data = Vec::new();
-        for _ in 0..rows * cols / 32 {
-            data.extend(half::f16::from_f32((next() % 1000) as f32 / 50_000.0).to_bits().to_le_bytes());
-            data.extend(half::f16::from_f32(-((next() % 1000) as f32) / 10_000.0).to_bits().to_le_bytes());
-            data.extend((0..16).map(|_| next() as u8));
-        }
-        QMatrix::new(QKind::Q4_1, rows, cols, data).unwrap()
+        let data = crate::blocks::tests::random_blocks(Format::Q4_1, rows * cols / 32, seed);
+        QMatrix::new(QKind::Blocks(Format::Q4_1), rows, cols, data).unwrap()
     }
 
     /// A stack of a float and a quantized matrix (what a mixed-type GGUF gives): any row
