@@ -8,8 +8,8 @@ Per type: the file's size and the tensor types llama.cpp chose, the bytes of wei
 kvcandle holds, decode and 512-token prefill speed of both engines (engines in turns,
 medians of 3; llama.cpp's prefill context keeps only the last logits, as kvcandle), and
 quality against float32: along a reference sequence (the float32 model's greedy
-continuation of a prompt), teacher-forced one token at a time as generation runs (for
-kvcandle: int8 activations), the positions where the quantized model's top token equals
+continuation of a prompt), teacher-forced one token at a time as generation runs (both
+engines then multiply quantized weights with int8 activations), the positions where the quantized model's top token equals
 float32's, and the largest logit difference from float32.
 """
 
@@ -61,8 +61,10 @@ def kvcandle_logits(model: kvcandle.Model, ids: list[int]) -> np.ndarray:
 
 
 def llama_logits(llm, ids: list[int]) -> np.ndarray:
+    """Teacher-forced one token at a time, as for kvcandle."""
     llm.reset()
-    llm.eval(ids)
+    for t in ids:
+        llm.eval([t])
     return np.array(llm.scores[: len(ids)], dtype=np.float64)
 
 
