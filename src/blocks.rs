@@ -321,6 +321,56 @@ pub unsafe fn values_avx2(f: Format, block: &[u8], s: usize) -> std::arch::x86_6
     }
 }
 
+/// [`Format::values`] in two NEON registers (values 0..16 and 16..32), by shifts and
+/// masks of whole rows of bytes, as [`values_avx2`].
+///
+/// # Safety
+/// `block` must be a whole block of format `f` (NEON is part of every aarch64 CPU).
+#[cfg(target_arch = "aarch64")]
+#[inline(always)]
+pub unsafe fn values_neon(f: Format, block: &[u8], s: usize) -> [std::arch::aarch64::uint8x16_t; 2] {
+    use std::arch::aarch64::*;
+    debug_assert_eq!(block.len(), f.block_bytes());
+    let p = block.as_ptr();
+    let low4 = vdupq_n_u8(0x0F);
+    let mask = |v: [uint8x16_t; 2], m: u8| [vandq_u8(v[0], vdupq_n_u8(m)), vandq_u8(v[1], vdupq_n_u8(m))];
+    // bits `n..` of every byte
+    let shr = |v: [uint8x16_t; 2], n: usize| {
+        let by = vdupq_n_s8(-(n as i8));
+        [vshlq_u8(v[0], by), vshlq_u8(v[1], by)]
+    };
+    let shl = |v: [uint8x16_t; 2], n: i8| [vshlq_u8(v[0], vdupq_n_s8(n)), vshlq_u8(v[1], vdupq_n_s8(n))];
+    let or = |a: [uint8x16_t; 2], b: [uint8x16_t; 2]| [vorrq_u8(a[0], b[0]), vorrq_u8(a[1], b[1])];
+    let at = |offset: usize| [vld1q_u8(p.add(offset)), vld1q_u8(p.add(offset + 16))];
+    // 16 bytes of nibbles: low nibbles, then high nibbles
+    let nibbles = |offset: usize| {
+        let packed = vld1q_u8(p.add(offset));
+        [vandq_u8(packed, low4), vshrq_n_u8::<4>(packed)]
+    };
+    match f {
+        Format::Q4_0 => nibbles(2),
+        Format::Q4_1 => nibbles(4),
+        Format::Q5_0 | Format::Q5_1 => {
+            let o = if f == Format::Q5_0 { 2 } else { 4 };
+            // lane l: 0x10 where bit l of the 32-bit qh is set
+            let bit: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
+            let bit = vld1q_u8(bit.as_ptr());
+            let bytes = |i: usize| vcombine_u8(vdup_n_u8(block[o + i]), vdup_n_u8(block[o + i + 1]));
+            let fifth = [vtstq_u8(bytes(0), bit), vtstq_u8(bytes(2), bit)];
+            or(nibbles(o + 4), mask(fifth, 0x10))
+        }
+        Format::Q2K => mask(shr(at(16 + 32 * (s / 4)), 2 * (s % 4)), 3),
+        Format::Q3K => or(mask(shr(at(32 + 32 * (s / 4)), 2 * (s % 4)), 3), shl(mask(shr(at(0), s), 1), 2)),
+        Format::Q4K => mask(shr(at(16 + 32 * (s / 2)), 4 * (s % 2)), 0x0F),
+        Format::Q5K => or(mask(shr(at(48 + 32 * (s / 2)), 4 * (s % 2)), 0x0F), shl(mask(shr(at(16), s), 1), 4)),
+        Format::Q6K => {
+            let (half, k) = (s / 4, s % 4);
+            let low = mask(shr(at(64 * half + 32 * (k % 2)), 4 * (k / 2)), 0x0F);
+            or(low, shl(mask(shr(at(128 + 32 * half), 2 * k), 3), 4))
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -410,6 +460,26 @@ pub(crate) mod tests {
                     let mut got = [0u8; SUB];
                     // SAFETY: AVX2 checked above; a whole block
                     unsafe { std::arch::x86_64::_mm256_storeu_si256(got.as_mut_ptr() as *mut _, values_avx2(f, block, s)) };
+                    assert_eq!(got, f.values(block, s), "{f:?} sub-block {s}");
+                }
+            }
+        }
+    }
+
+    /// The NEON unpacking equals the portable one on every sub-block of every format.
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn neon_values_equal_portable_values() {
+        for f in ALL {
+            for block in random_blocks(f, 4, 3).chunks_exact(f.block_bytes()) {
+                for s in 0..f.block_values() / SUB {
+                    let mut got = [0u8; SUB];
+                    // SAFETY: a whole block; NEON is part of aarch64
+                    unsafe {
+                        let [lo, hi] = values_neon(f, block, s);
+                        std::arch::aarch64::vst1q_u8(got.as_mut_ptr(), lo);
+                        std::arch::aarch64::vst1q_u8(got.as_mut_ptr().add(16), hi);
+                    }
                     assert_eq!(got, f.values(block, s), "{f:?} sub-block {s}");
                 }
             }

@@ -344,8 +344,9 @@ unsafe fn dot_q8_0_neon(row: Row<'_>, xq: &[i8], xd: &[f32]) -> f32 {
     vaddvq_f32(acc)
 }
 
-/// [`dot_blocks_q8_avx2`] with NEON: each sub-block's integers (0..64, read by
-/// [`Format::values`]) times the int8 activations, a half (16 values) per register.
+/// [`dot_blocks_q8_avx2`] with NEON: each sub-block's integers (0..64, unpacked by
+/// [`crate::blocks::values_neon`]) times the int8 activations, a half (16 values) per
+/// register.
 #[cfg(target_arch = "aarch64")]
 #[target_feature(enable = "neon")]
 unsafe fn dot_blocks_q8_neon<const F: u8>(row: &[u8], xq: &[i8], xd: &[f32], half_sums: &[f32]) -> f32 {
@@ -359,11 +360,11 @@ unsafe fn dot_blocks_q8_neon<const F: u8>(row: &[u8], xq: &[i8], xd: &[f32], hal
         let scales = f.scales(block);
         for s in 0..subs {
             let k = b * subs + s;
-            let q = f.values(block, s);
+            let [q_lo, q_hi] = crate::blocks::values_neon(f, block, s);
             let (scale, min) = (scales.scale[s], scales.min[s]);
             let x = xq.as_ptr().add(k * SUB);
-            let lo = vcvtq_f32_s32(dot16_neon(vreinterpretq_s8_u8(vld1q_u8(q.as_ptr())), vld1q_s8(x)));
-            let hi = vcvtq_f32_s32(dot16_neon(vreinterpretq_s8_u8(vld1q_u8(q.as_ptr().add(16))), vld1q_s8(x.add(16))));
+            let lo = vcvtq_f32_s32(dot16_neon(vreinterpretq_s8_u8(q_lo), vld1q_s8(x)));
+            let hi = vcvtq_f32_s32(dot16_neon(vreinterpretq_s8_u8(q_hi), vld1q_s8(x.add(16))));
             let d = xd[k];
             acc = vfmaq_n_f32(vfmaq_n_f32(acc, lo, scale[0] * d), hi, scale[1] * d);
             offset += min[0] * half_sums[2 * k] + min[1] * half_sums[2 * k + 1];
@@ -476,33 +477,44 @@ const PREFETCH: usize = 2048;
 /// into one register ([`crate::blocks::values_avx2`]) and multiplied with the activations
 /// as bytes (the integers are unsigned, in 0..64), summed per 4 bytes: lanes 0..4 hold the
 /// first half's sums, lanes 4..8 the second's, scaled by their halves' scales times the
-/// activations' scale; minus each half's minimum times the activations' sum.
+/// activations' scale (two accumulators, even and odd sub-blocks); minus each half's
+/// minimum times the activations' sum (a block's 16 at once). For the K-quants; the
+/// one-sub-block formats have [`dot_small_q8_avx2`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_blocks_q8_avx2<const F: u8>(row: &[u8], xq: &[i8], xd: &[f32], half_sums: &[f32]) -> f32 {
     use std::arch::x86_64::*;
     let f = Format::from_id(F);
-    let subs = f.block_values() / SUB;
-    debug_assert!(xq.len() == row.len() / f.block_bytes() * f.block_values());
+    let (subs, n) = (f.block_values() / SUB, row.len() / f.block_bytes());
+    // the K-quants: 8 sub-blocks of two halves, so a block's 16 minimums and its 16
+    // activation sums are two registers each
+    assert!(subs == 8 && xq.len() >= n * f.block_values() && xd.len() >= n * subs && half_sums.len() >= 2 * n * subs);
     let ones = _mm256_set1_epi16(1);
-    let mut acc = _mm256_setzero_ps();
-    let mut offset = 0f32;
+    let (mut acc0, mut acc1, mut offset) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
     for (b, block) in row.chunks_exact(f.block_bytes()).enumerate() {
         _mm_prefetch::<_MM_HINT_T0>(block.as_ptr().wrapping_add(PREFETCH) as *const i8);
         let scales = f.scales(block);
-        for s in 0..subs {
-            let k = b * subs + s;
-            let q = crate::blocks::values_avx2(f, block, s);
-            let (scale, min) = (scales.scale[s], scales.min[s]);
-            let x = _mm256_loadu_si256(xq.as_ptr().add(k * SUB) as *const __m256i);
-            let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
-            let d = xd[k];
-            let sv = _mm256_setr_m128(_mm_set1_ps(scale[0] * d), _mm_set1_ps(scale[1] * d));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), sv, acc);
-            offset += min[0] * half_sums[2 * k] + min[1] * half_sums[2 * k + 1];
+        let (mins, sums) = (scales.min.as_ptr() as *const f32, half_sums.as_ptr().add(2 * b * subs));
+        offset = _mm256_fmadd_ps(_mm256_loadu_ps(mins), _mm256_loadu_ps(sums), offset);
+        offset = _mm256_fmadd_ps(_mm256_loadu_ps(mins.add(8)), _mm256_loadu_ps(sums.add(8)), offset);
+        // a macro, not a closure: closures are compiled without the function's target features
+        macro_rules! sub {
+            ($s:expr, $acc:ident) => {{
+                let (s, k) = ($s, b * subs + $s);
+                let q = crate::blocks::values_avx2(f, block, s);
+                let x = _mm256_loadu_si256(xq.as_ptr().add(k * SUB) as *const __m256i);
+                let products = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+                let (scale, d) = (scales.scale[s], *xd.get_unchecked(k));
+                let sv = _mm256_setr_m128(_mm_set1_ps(scale[0] * d), _mm_set1_ps(scale[1] * d));
+                $acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products), sv, $acc);
+            }};
+        }
+        for s in (0..subs).step_by(2) {
+            sub!(s, acc0);
+            sub!(s + 1, acc1);
         }
     }
-    hsum(acc) - offset
+    hsum(_mm256_add_ps(acc0, acc1)) - hsum(offset)
 }
 
 /// [`dot_blocks_q8_avx2`] for the formats whose block is one 32-value sub-block (Q4_0,
