@@ -7,8 +7,8 @@ llama-cpp-python is installed, by llama.cpp on the same file:
 Per type: the file's size and the tensor types llama.cpp chose, the bytes of weights
 kvcandle holds, decode and 512-token prefill speed of both engines (engines in turns,
 medians of 3; llama.cpp's prefill context keeps only the last logits, as kvcandle), and
-quality against float32: along a reference sequence (the float32 model's greedy
-continuation of a prompt), teacher-forced one token at a time as generation runs (both
+quality against float32: along reference sequences (the float32 model's greedy
+continuations of four prompts), teacher-forced one token at a time as generation runs (both
 engines then multiply quantized weights with int8 activations), the positions where the quantized model's top token equals
 float32's, and the largest logit difference from float32.
 """
@@ -34,7 +34,13 @@ from kvcandle._platform import cpu_description  # noqa: E402
 
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers
 FTYPES = {"F16": 1, "BF16": 32, "Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q4_0": 2, "Q4_1": 3, "Q3_K_M": 12, "Q2_K": 10}
-PROMPT = "The history of the printing press begins in"
+# each prompt's float32 greedy continuation is a reference sequence; agreement is summed
+PROMPTS = [
+    "The history of the printing press begins in",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Once upon a time, in a small village by the sea,",
+]
 
 
 def quantize(f32: Path, name: str, threads: int) -> Path:
@@ -112,20 +118,26 @@ def main() -> None:
         sys.exit("bench_quant needs llama-cpp-python (pip install llama-cpp-python) to re-quantize the model")
 
     base = kvcandle.load(f32)
-    prompt = base.tokenizer.encode(PROMPT)
-    out = kvcandle.generate(base, prompt, max_tokens=args.tokens)
-    ids = prompt + out.tokens[: args.tokens]
-    ref = kvcandle_logits(base, ids)
-    start = len(prompt) - 1  # the logits that predict the continuation
+    # (ids, float32 logits, the first position scored: the logits that predict the continuation)
+    sequences = []
+    for text in PROMPTS:
+        prompt = base.tokenizer.encode(text)
+        ids = prompt + kvcandle.generate(base, prompt, max_tokens=args.tokens).tokens[: args.tokens]
+        sequences.append((ids, kvcandle_logits(base, ids), len(prompt) - 1))
+    prompt = base.tokenizer.encode(PROMPTS[0])
     del base
+
+    def quality(logits_of) -> tuple[int, int, float]:
+        parts = [agreement(logits_of(ids), ref, start) for ids, ref, start in sequences]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts), max(p[2] for p in parts)
 
     rows = []
     for name in args.types:
         path = quantize(f32, name, args.threads)
         model = kvcandle.load(path, quantized=True)
-        ours = agreement(kvcandle_logits(model, ids), ref, start)
+        ours = quality(lambda ids: kvcandle_logits(model, ids))
         llm = llama_cpp.Llama(str(path), n_ctx=512, n_threads=args.threads, n_threads_batch=args.threads, logits_all=True, verbose=False)
-        theirs = agreement(llama_logits(llm, ids), ref, start)
+        theirs = quality(lambda ids: llama_logits(llm, ids))
 
         def ours_step(tok, cache=model.new_cache()):
             return int(np.argmax(model.forward([tok], cache)))
@@ -152,7 +164,8 @@ def main() -> None:
         rows.append((name, path.stat().st_size, tensor_types(path), model.weight_bytes, ours, theirs, {k: statistics.median(v) for k, v in speeds.items()}))
         del llm, batch, model
 
-    print(f"reference: float32 greedy continuation of {PROMPT!r}, {len(ids) - start} positions scored\n")
+    scored = sum(len(ids) - start for ids, _, start in sequences)
+    print(f"references: float32 greedy continuations of {len(PROMPTS)} prompts, {scored} positions scored\n")
     print(
         "| file | size MB | tensor types | kvcandle weights MB | top-1 vs f32: kvcandle | llama.cpp | max logit diff: kvcandle | llama.cpp "
         f"| decode tok/s: kvcandle | llama.cpp | prefill {PREFILL} tok/s: kvcandle | llama.cpp |"
