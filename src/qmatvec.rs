@@ -330,6 +330,7 @@ unsafe fn dot16_neon(q: std::arch::aarch64::int8x16_t, x: std::arch::aarch64::in
 /// [`dot_q8_0_avx2`] with NEON (signed bytes multiply directly).
 #[cfg(target_arch = "aarch64")]
 #[target_feature(enable = "neon")]
+#[allow(clippy::needless_range_loop)] // `b` addresses the weight bytes, the activations and both scales at different strides
 unsafe fn dot_q8_0_neon(row: Row<'_>, xq: &[i8], xd: &[f32]) -> f32 {
     use std::arch::aarch64::*;
     let blocks = row.qs.len() / 32;
