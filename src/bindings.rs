@@ -169,9 +169,6 @@ impl Model {
         let (weights, model, num_parameters) = py
             .detach(|| -> crate::Result<(Weights, Llama, usize)> {
                 no_panic(|| {
-                    // before the weights take memory too: what the caller freed (the lists
-                    // the tokenizer was built from) is not kept beside them
-                    release_freed_memory();
                     let w = loader::load_with_progress(&path, dt, &dev, quantized, &report)?;
                     let n = parameters(&w);
                     // the engine takes the tensors: stacked or repacked ones are released as

@@ -46,15 +46,13 @@ impl Linear {
             GgmlDType::BF16 => Some(QKind::BF16),
             t => Format::from_ggml(t).map(QKind::Blocks),
         };
+        let data = Arc::try_unwrap(weight).map_or_else(|w| w.data.clone(), |w| w.data);
         let data = match (kind, device.is_cpu(), dtype == DType::F32) {
-            (Some(kind), true, true) => {
-                let data = Arc::try_unwrap(weight).map_or_else(|w| w.data.clone(), |w| w.data);
-                match QMatrix::new(kind, rows, cols, data) {
-                    Ok(m) => return Ok(Self::Quantized(m)),
-                    Err(data) => data,
-                }
-            }
-            _ => Arc::try_unwrap(weight).map_or_else(|w| w.data.clone(), |w| w.data),
+            (Some(kind), true, true) => match QMatrix::new(kind, rows, cols, data) {
+                Ok(m) => return Ok(Self::Quantized(m)),
+                Err(data) => data,
+            },
+            _ => data,
         };
         let q = qtensor_from_ggml(ggml, &data, vec![rows, cols], &Device::Cpu)?;
         Ok(Self::new(q.dequantize(&Device::Cpu)?.to_dtype(dtype)?.to_device(device)?))
