@@ -22,6 +22,7 @@ use crate::device::{compiled_devices, dtype_name, parse_device, parse_dtype};
 use crate::error::{no_panic, one_line, Error};
 use crate::loader::{self, Weights};
 use crate::model::Llama;
+use crate::sentencepiece::SentencePiece;
 use crate::upstream::{UpstreamCache, UpstreamLlama};
 
 fn error_class(e: &Error) -> &'static str {
@@ -546,6 +547,40 @@ fn read_gguf_metadata<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py
     Ok(d)
 }
 
+/// A SentencePiece BPE vocabulary ("llama" GGUF tokenizers), encoded and decoded as
+/// SentencePiece does (`crate::sentencepiece`).
+#[pyclass(frozen, module = "kvcandle._core", name = "SentencePiece")]
+struct PySentencePiece(SentencePiece);
+
+#[pymethods]
+impl PySentencePiece {
+    #[new]
+    fn new(py: Python<'_>, tokens: Vec<String>, types: Vec<i64>, scores: Vec<f32>, add_dummy_prefix: bool) -> PyResult<Self> {
+        py.detach(|| no_panic(|| SentencePiece::new(tokens, &types, &scores, add_dummy_prefix))).py_err(py).map(PySentencePiece)
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+
+    fn encode(&self, py: Python<'_>, text: &str, parse_special: bool) -> PyResult<Vec<u32>> {
+        py.detach(|| no_panic(|| Ok(self.0.encode(text, parse_special)))).py_err(py)
+    }
+
+    fn decode(&self, py: Python<'_>, ids: Vec<u32>, skip_special: bool, continuation: bool) -> PyResult<String> {
+        py.detach(|| no_panic(|| self.0.decode(&ids, skip_special, continuation))).py_err(py)
+    }
+
+    fn id_to_piece(&self, id: u32) -> Option<String> {
+        self.0.id_to_piece(id).map(str::to_string)
+    }
+
+    fn piece_to_id(&self, piece: &str) -> Option<u32> {
+        self.0.piece_to_id(piece)
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pin_thread_count();
@@ -554,6 +589,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<KVCache>()?;
     m.add_class::<UpstreamModel>()?;
     m.add_class::<UpstreamKVCache>()?;
+    m.add_class::<PySentencePiece>()?;
     m.add("compiled_devices", compiled_devices())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -14,6 +14,7 @@ pub mod matvec;
 pub mod model;
 pub mod qmatvec;
 pub mod rope;
+pub mod sentencepiece;
 pub mod team;
 pub mod upstream;
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -15,13 +16,14 @@ from tokenizers import AddedToken, Regex, Tokenizer as _HFTokenizer, decoders, m
 from . import _core
 from ._checks import as_int, show
 from ._ids import as_ids
-from .errors import KVCandleWarning, ModelLoadError, TokenIdError
+from .errors import InputError, KVCandleWarning, ModelLoadError, TokenIdError
 
 # llama.cpp's token types
 _CONTROL = 3
 _USER_DEFINED = 4
 
 # GGUF metadata keys
+_FIELD_PREFIX = "tokenizer.ggml."
 _KIND = "tokenizer.ggml.model"
 _TOKENS = "tokenizer.ggml.tokens"
 _TYPES = "tokenizer.ggml.token_type"
@@ -36,16 +38,37 @@ _TEMPLATE = "tokenizer.chat_template"
 
 Source = Union[str, Path]
 
-# How byte-level ("gpt2") vocabularies split text before their merges, by the
-# pre-tokenizer name llama.cpp writes (tokenizer.ggml.pre), for the Llama-family models:
-# Llama 3's split; every other name (SmolLM's "smollm", "default", "gpt-2") takes GPT-2's
-# split, as transformers' GGUF conversion does.
+# How a byte-level ("gpt2") vocabulary turns text into tokens, by the pre-tokenizer name
+# llama.cpp writes (tokenizer.ggml.pre), for the Llama-family names, as llama.cpp reads
+# them: the patterns that split text before merges (each applied in turn to the pieces the
+# one before left), whether a piece found whole in the vocabulary is one token without
+# merges (Llama 3's `ignore_merges`), and whether BOS is added when the file does not say.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT}
-_GPT2_SPLIT_NAMES = {"default", "gpt-2", "gpt2", "smollm"}
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    splits: tuple[str, ...]
+    ignore_merges: bool = False
+    add_bos: bool = False
+
+
+_LLAMA3 = _PreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
+_GPT2 = _PreTokenizer((_GPT2_SPLIT,))
+_PRE_TOKENIZERS = {
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "llama-bpe": _LLAMA3,
+    "smaug-bpe": _PreTokenizer((_LLAMA3_SPLIT,)),  # Llama 3's split, merges always applied
+    "smollm": _PreTokenizer((r"\p{N}", _GPT2_SPLIT)),  # every digit alone, then GPT-2's split
+    "gpt-2": _GPT2,
+    # llama.cpp's "default", also what it takes when the file names none
+    "default": _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", "[0-9][0-9][0-9]")),
+}
 
 
 def _load_error(source: Source, field: Optional[str], reason: str) -> ModelLoadError:
@@ -197,8 +220,10 @@ def _checked_merges(merge_list: list[str], vocab: dict[str, int], source: Source
     return merges
 
 
-def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], source: Source) -> tuple[_HFTokenizer, Callable[[str], bool]]:
-    """A "gpt2" vocabulary: byte-level BPE, text split as its pre-tokenizer name says."""
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], source: Source) -> tuple[_HFTokenizer, Callable[[str], bool], bool]:
+    """A "gpt2" vocabulary: byte-level BPE, text split as its pre-tokenizer name says.
+    Returns the backend, the test of a token spelled in the byte alphabet, and whether
+    BOS is added when the file does not say."""
     alphabet = _byte_alphabet()
     letters = set(alphabet.values())
 
@@ -206,61 +231,40 @@ def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], source: Source) -> 
         # Tokens written outside the byte alphabet are respelled byte by byte.
         return token if set(token) <= letters else "".join(alphabet[b] for b in token.encode("utf-8"))
 
+    pre_name = _gguf_value(meta, _PRE, source, _is_str, "a str")
+    pre = _PRE_TOKENIZERS.get("default" if pre_name is None else pre_name)
+    if pre is None:
+        warnings.warn(f"{source}: GGUF pre-tokenizer {pre_name!r} ({_PRE}) is not one kvcandle knows; text is split as GPT-2 splits it", KVCandleWarning, stacklevel=4)
+        pre = _GPT2
     vocab = {spell(t): i for i, t in enumerate(tokens)}
     merges = _checked_merges(_gguf_list(meta, _MERGES, source, _is_str, "str") or [], vocab, source)
     with _backend_errors(source, _MERGES):
-        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = _gguf_value(meta, _PRE, source, _is_str, "a str")
-    split = _SPLITS.get(pre) if pre is not None else None
-    if split is not None:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-    else:
-        if pre is not None and pre not in _GPT2_SPLIT_NAMES:
-            warnings.warn(f"{source}: GGUF pre-tokenizer {pre!r} ({_PRE}) is not one kvcandle knows; text is split as GPT-2 splits it", KVCandleWarning, stacklevel=4)
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre.ignore_merges))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.splits] + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     backend.decoder = decoders.ByteLevel()
-    return backend, lambda t: set(t) <= letters
+    return backend, lambda t: set(t) <= letters, pre.add_bos
 
 
-def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """The merges a SentencePiece vocabulary implies: every split of a token into two
-    tokens, ranked by the whole token's score (best first), then by the longer left and
-    right parts, then by the parts' ids (transformers' ``generate_merges`` order)."""
-    index = {t: i for i, t in enumerate(tokens)}
-    found: list[tuple[float, str, str]] = []
-    for token, score in zip(tokens, scores):
-        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in index and token[k:] in index]
-        pairs.sort(key=lambda p: (index[p[0]], index[p[1]]))
-        found.extend((score, a, b) for a, b in pairs)
-    found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
-    return [(a, b) for _, a, b in found]
-
-
-def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], source: Source) -> tuple[_HFTokenizer, Callable[[str], bool]]:
-    """A "llama" vocabulary (SentencePiece BPE, as Llama 1/2, TinyLlama and Mistral): a
-    space is "▁" and one is put before the text; characters not in the vocabulary become
-    their UTF-8 bytes' tokens (<0x..>); merges from the file, or from the scores."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merge_list = _gguf_list(meta, _MERGES, source, _is_str, "str")
-    if merge_list is not None:
-        merges = _checked_merges(merge_list, vocab, source)
-    else:
-        scores = _gguf_list(meta, _SCORES, source, _is_number, "float")
-        if scores is None:
-            raise _load_error(source, _SCORES, "is missing (a SentencePiece vocabulary without merges needs its scores)")
-        if len(scores) != len(tokens):
-            raise _load_error(source, _SCORES, f"has {len(scores)} entries for {len(tokens)} tokens")
-        merges = _merges_from_scores(tokens, [float(x) for x in scores])
-    with _backend_errors(source, _MERGES):
-        backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int], source: Source) -> _core.SentencePiece:
+    """A "llama" vocabulary (SentencePiece BPE: Llama 1/2, TinyLlama, Mistral), encoded
+    and decoded as SentencePiece does, from the pieces' scores and types (merges, if the
+    file has them, are not what SentencePiece uses). The file has no normalizer: the
+    identity one of the Llama family is taken, with the dummy prefix unless
+    ``tokenizer.ggml.add_space_prefix`` is false."""
+    scores = _gguf_list(meta, _SCORES, source, _is_number, "float")
+    if scores is None:
+        raise _load_error(source, _SCORES, "is missing (a SentencePiece vocabulary merges by its pieces' scores)")
+    if len(scores) != len(tokens):
+        raise _load_error(source, _SCORES, f"has {len(scores)} entries for {len(tokens)} tokens")
     prefix = _gguf_value(meta, _ADD_SPACE, source, _is_bool, "a bool")
-    prefix = True if prefix is None else prefix
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
-    return backend, lambda t: True
+    try:
+        return _core.SentencePiece(tokens, types, [float(x) for x in scores], True if prefix is None else prefix)
+    except InputError as e:  # the message names the list and index: "token_type[7]: ..."
+        raise _load_error(source, None, f"{_FIELD_PREFIX}{e}") from e
+    except OverflowError as e:  # a type or score no 64-bit integer or float holds
+        raise _load_error(source, None, f"{_TYPES} or {_SCORES}: {e}") from e
 
 
 @lru_cache(maxsize=8)
@@ -284,6 +288,43 @@ def _compile_template(source: str) -> Any:
     return env.from_string(source)
 
 
+class _HuggingFace:
+    """A Hugging Face ``tokenizers`` tokenizer (byte-level GGUF vocabularies and
+    ``tokenizer.json`` files) behind the methods ``_core.SentencePiece`` has."""
+
+    __slots__ = ("_hf", "_literal")
+
+    def __init__(self, hf: _HFTokenizer) -> None:
+        self._hf = hf
+        self._literal: Optional[_HFTokenizer] = None  # a copy that reads special tokens as text
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, parse_special: bool) -> list[int]:
+        if parse_special:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        if self._literal is None:
+            literal = _HFTokenizer.from_str(self._hf.to_str())
+            literal.encode_special_tokens = True  # user-defined tokens are still taken whole, as llama.cpp takes them
+            self._literal = literal
+        return self._literal.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special: bool, continuation: bool) -> str:
+        # a byte-level piece reads the same wherever it stands
+        return self._hf.decode(ids, skip_special_tokens=skip_special)
+
+    def id_to_piece(self, id: int) -> Optional[str]:
+        return self._hf.id_to_token(id)
+
+    def piece_to_id(self, piece: str) -> Optional[int]:
+        return self._hf.token_to_id(piece)
+
+
+_Backend = Union[_HuggingFace, _core.SentencePiece]
+
+
 class Tokenizer:
     """Text to token ids and back.
 
@@ -295,7 +336,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: _HFTokenizer,
+        backend: _Backend,
         *,
         bos_token_id: Optional[int] = None,
         eos_token_ids: Sequence[int] = (),
@@ -310,31 +351,47 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        return self._backend.vocab_size
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``)
-        become their ids; a BOS id is prepended only where the model asks for one."""
+    def encode(self, text: str, *, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``, as the vocabulary's reference tokenizer gives them
+        (SentencePiece for "llama" GGUF vocabularies, Hugging Face ``tokenizers`` for the
+        others). A BOS id is prepended only where the model asks for one.
+
+        Args:
+            add_special_tokens: prepend BOS where the model asks for it.
+            parse_special: special (control) tokens written in the text, such as
+                ``<|im_start|>`` or ``<s>``, become their ids, as chat templates need;
+                False encodes them as the characters they are written with. User-defined
+                tokens are taken whole either way.
+        """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        ids = self._backend.encode(text, parse_special)
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of ``ids``."""
+        """Text of ``ids``: ``decode(encode(text))`` is ``text`` wherever the reference
+        tokenizer gives the text back. With ``skip_special_tokens`` special tokens are
+        left out (for a SentencePiece vocabulary this is SentencePiece's own decoding);
+        without it they are written as their text, and after one a SentencePiece text
+        starts anew (the inverse of encoding with special tokens parsed)."""
         checked = as_ids(ids)
         n = self.vocab_size
         for i, t in enumerate(checked):
             if not 0 <= t < n:
                 raise TokenIdError(f"token id {t} at index {i} is out of range: the vocabulary has {n} ids (0..{n})")
-        return self._backend.decode(checked, skip_special_tokens=skip_special_tokens)
+        return self._backend.decode(checked, skip_special_tokens, False)
 
     def decode_stream(self) -> "DecodeStream":
-        """A decoder for ids arriving one at a time (generation): ``add(id)`` returns the
-        text that id completes, costing the same however much text came before.
-        Joined, the pieces are ``decode(ids)`` without an incomplete character at the end."""
+        """A decoder for ids that continue a text, arriving one at a time (generation):
+        ``add(id)`` returns the text that id completes, costing the same however much
+        text came before. Joined, the pieces are the text the ids add to what came before
+        them, without an incomplete character at the end: for a SentencePiece vocabulary
+        the first piece keeps its leading space (" Paris" after "The capital of France
+        is"), where ``decode`` of the ids alone drops it as the start of a text."""
         return DecodeStream(self._backend)
 
     def apply_chat_template(
@@ -374,17 +431,18 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def token_to_id(self, token: str) -> Optional[int]:
-        return self._backend.token_to_id(token)
+        return self._backend.piece_to_id(token)
 
     def id_to_token(self, id: int) -> Optional[str]:
-        return self._backend.id_to_token(id)
+        return self._backend.id_to_piece(id)
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], *, source: Source = "GGUF metadata") -> Optional["Tokenizer"]:
         """Builds the tokenizer a GGUF file describes: "gpt2" (byte-level BPE, text split
-        as its pre-tokenizer name says: Llama 3's split or GPT-2's) or "llama"
-        (SentencePiece BPE with byte fallback: Llama 1/2, TinyLlama, Mistral); None (with
-        a warning) for a kind kvcandle does not build yet.
+        and merged as llama.cpp reads its pre-tokenizer name: Llama 3's split with whole
+        words kept, SmolLM's, GPT-2's, llama.cpp's default) or "llama" (SentencePiece
+        BPE, as SentencePiece encodes and decodes: Llama 1/2, TinyLlama, Mistral); None
+        (with a warning) for a kind kvcandle does not build yet.
 
         Args:
             meta: the file's ``tokenizer.*`` (and ``general.*``) metadata.
@@ -393,8 +451,10 @@ class Tokenizer:
         Raises:
             ModelLoadError: a field is missing, of the wrong type, or inconsistent (a merge
                 naming a token that is not in the vocabulary, a token listed twice, token
-                types of another length, a BOS/EOS id outside the vocabulary); the message
-                names ``source`` and the field.
+                types of another length, a BOS/EOS id outside the vocabulary, a
+                SentencePiece vocabulary without scores, with an unknown piece type, two
+                unknown pieces, an incomplete set of byte pieces, or neither an unknown piece
+                nor byte pieces); the message names ``source`` and the field.
         """
         kind = _gguf_value(meta, _KIND, source, _is_str, "a str")
         if kind not in ("gpt2", "llama"):
@@ -418,20 +478,24 @@ class Tokenizer:
         eos = _gguf_token_id(meta, _EOS, source, len(tokens))
         add_bos = _gguf_value(meta, _ADD_BOS, source, _is_bool, "a bool")
         template = _gguf_value(meta, _TEMPLATE, source, _is_str, "a str")
-        if kind == "gpt2":
-            backend, spelled = _byte_level_bpe(meta, tokens, source)
-        else:
-            backend, spelled = _sentencepiece_bpe(meta, tokens, source)
+        backend: _Backend
+        if kind == "llama":
+            backend = _sentencepiece(meta, tokens, types, source)
             # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary unless told not to
             add_bos = True if add_bos is None else add_bos
-        # control tokens written in the text become their ids; in a byte-level vocabulary a
-        # "control" token spelled outside the byte alphabet is a mislabel, left out
-        special = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == _CONTROL and spelled(t)]
-        user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
-        with _backend_errors(source, _TOKENS):
-            backend.add_special_tokens(special)
-            if user:
-                backend.add_tokens(user)
+        else:
+            hf, spelled, bos_by_default = _byte_level_bpe(meta, tokens, source)
+            add_bos = bos_by_default if add_bos is None else add_bos
+            # control tokens written in the text become their ids when parsed; a "control"
+            # token spelled outside the byte alphabet is a mislabel, left out; user-defined
+            # tokens are always taken whole
+            special = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == _CONTROL and spelled(t)]
+            user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+            with _backend_errors(source, _TOKENS):
+                hf.add_special_tokens(special)
+                if user:
+                    hf.add_tokens(user)
+            backend = _HuggingFace(hf)
         return cls(
             backend,
             bos_token_id=bos,
@@ -457,7 +521,7 @@ class Tokenizer:
             return None
         text = _read_text(path)
         with _backend_errors(path, None):
-            backend = _HFTokenizer.from_str(text)
+            hf = _HFTokenizer.from_str(text)
         config: dict[str, Any] = {}
         config_path = directory / "tokenizer_config.json"
         if config_path.is_file():
@@ -470,11 +534,11 @@ class Tokenizer:
         eos_token = _config_token(config, "eos_token", config_path)
 
         def token_id(token: Optional[str]) -> Optional[int]:
-            return backend.token_to_id(token) if token is not None else None
+            return hf.token_to_id(token) if token is not None else None
 
         eos_id = token_id(eos_token)
         return cls(
-            backend,
+            _HuggingFace(hf),
             bos_token_id=token_id(bos_token),
             eos_token_ids=list(eos_token_ids) or ([eos_id] if eos_id is not None else []),
             add_bos_token=bool(add_bos),
@@ -497,15 +561,23 @@ class Tokenizer:
 
 
 class DecodeStream:
-    """Incremental decoding (Hugging Face ``tokenizers``' ``DecodeStream``): see
-    :meth:`Tokenizer.decode_stream`."""
+    """Incremental decoding: see :meth:`Tokenizer.decode_stream`. Each id is decoded
+    with the one before it (the context a SentencePiece piece or a byte needs), and the
+    text is given out once it no longer ends in an incomplete character."""
 
-    __slots__ = ("_backend", "_stream")
+    __slots__ = ("_backend", "_ids", "_text")
 
-    def __init__(self, backend: _HFTokenizer) -> None:
+    def __init__(self, backend: _Backend) -> None:
         self._backend = backend
-        self._stream = decoders.DecodeStream(skip_special_tokens=False)
+        self._ids: list[int] = []  # the last id given out, and those after it
+        self._text = ""  # the text of that last id, given out already
 
     def add(self, id: int) -> str:
         """The text ``id`` completes ("" while a character is still incomplete)."""
-        return self._stream.step(self._backend, id) or ""
+        self._ids.append(id)
+        text = self._backend.decode(self._ids, False, True)
+        if len(text) <= len(self._text) or text.endswith("\ufffd") or not text.startswith(self._text):
+            return ""
+        self._ids = [id]
+        new, self._text = text[len(self._text):], self._backend.decode(self._ids, False, True)
+        return new
