@@ -139,6 +139,32 @@ def test_sentencepiece_without_scores_or_merges_is_refused(tmp_path):
         kvcandle.load(path)
 
 
+def _sp_types(change):
+    v = sentencepiece()
+    types, scores, tokens = list(v.types), list(v.scores or []), list(v.tokens)
+    change(tokens, types, scores)
+    return Vocabulary("llama", tokens, types, scores=scores)
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (lambda t, ty, s: ty.__setitem__(300, 9), r"tokenizer\.ggml\.token_type\[300\]: 9 is not a SentencePiece piece type"),
+        (lambda t, ty, s: s.__setitem__(300, float("nan")), r"tokenizer\.ggml\.scores\[300\]: NaN"),
+        (lambda t, ty, s: ty.__setitem__(3 + 0x41, 1), r"tokenizer\.ggml\.tokens: the byte piece <0x41> is missing"),
+        (lambda t, ty, s: ty.__setitem__(1, 2), r"tokenizer\.ggml\.token_type\[1\]: a second unknown piece"),
+        (lambda t, ty, s: (ty.__setitem__(0, 1), ty.__setitem__(slice(3, 259), [1] * 256)), r"no unknown piece .* and no byte pieces"),
+        (lambda t, ty, s: t.__setitem__(3, "<0xZZ>"), r"tokenizer\.ggml\.tokens\[3\]: a byte piece must be written <0xAB>"),
+    ],
+)
+def test_bad_sentencepiece_vocabularies_are_refused(tmp_path, change, field):
+    vocab = _sp_types(change)
+    path = write_gguf(tmp_path / "bad.gguf", Shape("bad", vocab=len(vocab.tokens), hidden=32, heads=4, kv_heads=2), tokenizer=vocab)
+    with pytest.raises(kvcandle.ModelLoadError, match=field) as e:
+        kvcandle.load(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
 # Llama 2's chat template (as its tokenizer_config.json has it), and a Llama 3 style one
 LLAMA2_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = messages[0]['content'] %}"
@@ -150,6 +176,10 @@ LLAMA2_TEMPLATE = (
     "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
     "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
 )
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ '<|user|>' if m['role'] == 'user' else '<|end|>' }}{{ m['content'] }}"
     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|end|>{% endif %}"
@@ -158,7 +188,11 @@ LLAMA3_TEMPLATE = (
 
 @pytest.mark.parametrize(
     "name,vocab,template",
-    [("sentencepiece", sentencepiece(), LLAMA2_TEMPLATE), ("llama3", byte_level("llama-bpe"), LLAMA3_TEMPLATE)],
+    [
+        ("sentencepiece", sentencepiece(), LLAMA2_TEMPLATE),
+        ("sentencepiece", sentencepiece(), MISTRAL_TEMPLATE),
+        ("llama3", byte_level("llama-bpe"), LLAMA3_TEMPLATE),
+    ],
 )
 def test_a_quantized_model_chats_with_the_files_template(tmp_path, name, vocab, template):
     from transformers import AutoTokenizer

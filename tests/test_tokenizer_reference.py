@@ -321,3 +321,37 @@ def test_default_model_vocabulary_as_smollm2s_tokenizer():
         ids = ours.encode(text)
         assert ids == theirs.encode(text, add_special_tokens=False).ids, repr(text)
         assert ours.decode(ids) == text, repr(text)
+
+
+# --- llama.cpp ---------------------------------------------------------------------------
+
+def llama_cpp_fixture() -> dict:
+    """llama.cpp's ids for a corpus, written by ``bench/tokenizer_fixtures.py write``."""
+    import gzip
+    from pathlib import Path
+
+    with gzip.open(Path(__file__).parent / "data" / "llamacpp_tokens.json.gz", "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
+FIXTURE = llama_cpp_fixture()
+
+
+@pytest.mark.parametrize("case", FIXTURE["cases"], ids=[c["name"] for c in FIXTURE["cases"]])
+def test_same_ids_as_llama_cpp(case):
+    # the default model's vocabulary (pre-tokenizer "smollm"), the same with llama.cpp's
+    # "default" split, and a Llama 2 style SentencePiece model: special tokens parsed
+    # (which SentencePiece itself never does) and as text
+    from kvcandle import _core
+    from kvcandle._default import default_model_path
+
+    texts = FIXTURE["texts"]
+    assert len(texts) >= N
+    meta = case["vocabulary"]
+    if meta is None or case["name"].startswith("smollm2"):
+        meta = _core.read_gguf_metadata(str(default_model_path())) | (meta or {})
+    ours = Tokenizer.from_gguf_metadata(meta)
+    assert ours is not None
+    for text, parsed, literal in zip(texts, case["parsed"], case["literal"]):
+        assert ours.encode(text, add_special_tokens=False) == parsed, repr(text)
+        assert ours.encode(text, add_special_tokens=False, parse_special=False) == literal, repr(text)

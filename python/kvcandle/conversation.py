@@ -103,7 +103,12 @@ class Conversation:
         rendered = tok.apply_chat_template([*self._messages, {"role": "user", "content": text}], add_generation_prompt=True)
         said = tok.decode(self._history)
         if self._history and rendered.startswith(said):
-            return self._history + tok.encode(rendered[len(said):], add_special_tokens=False)
+            # the conversation's ids as the model saw and wrote them, then the new text;
+            # kept only if they spell the rendering (a SentencePiece text encoded on its
+            # own starts with its dummy prefix, which is wrong after text)
+            ids = self._history + tok.encode(rendered[len(said):], add_special_tokens=False)
+            if tok.decode(ids) == rendered:
+                return ids
         return tok.encode(rendered, add_special_tokens=False)
 
     def stream(self, text: str, *, max_tokens: int = 256, **sampling: Any) -> Generator[Piece, None, None]:
