@@ -22,19 +22,19 @@ fn main() {
         // cold: a different layer each call (47 MB of f32 K/V in turn)
         let t = Instant::now();
         for l in 0..layers {
-            let kv = LayerKv { keys: &keys[l * per..(l + 1) * per], values: &values[l * per..(l + 1) * per], kv_heads, capacity: len, len, head_dim: d };
+            let kv = LayerKv::contiguous(&keys[l * per..(l + 1) * per], &values[l * per..(l + 1) * per], kv_heads, len, len, d);
             std::hint::black_box(decode_attention(&q, &kv));
         }
         let cold = t.elapsed().as_secs_f64() / layers as f64;
         let t = Instant::now();
-        let kv = LayerKv { keys: &keys[..per], values: &values[..per], kv_heads, capacity: len, len, head_dim: d };
+        let kv = LayerKv::contiguous(&keys[..per], &values[..per], kv_heads, len, len, d);
         for _ in 0..layers {
             std::hint::black_box(decode_attention(&q, &kv));
         }
         let hot = t.elapsed().as_secs_f64() / layers as f64;
         let t = Instant::now();
         for l in 0..layers {
-            let kv = LayerKv { keys: &kh[l * per..(l + 1) * per], values: &kh[l * per..(l + 1) * per], kv_heads, capacity: len, len, head_dim: d };
+            let kv = LayerKv::contiguous(&kh[l * per..(l + 1) * per], &kh[l * per..(l + 1) * per], kv_heads, len, len, d);
             std::hint::black_box(decode_attention(&q, &kv));
         }
         let half = t.elapsed().as_secs_f64() / layers as f64;

@@ -35,17 +35,56 @@ use crate::team::{Shards, Team};
 /// 2,048-position cache of 3 KV heads over many threads.
 const CHUNK: usize = 256;
 
-/// The cached keys and values of one layer: `kv_heads` blocks of `capacity` positions of
-/// `head_dim` values each, of which the first `len` positions are used. Stored as float32,
-/// or as float16 (half the bytes read per step: each task widens its chunk to float32 in
-/// a buffer of its thread, in the core's cache, and runs the float32 kernels on it).
+/// The cached keys and values of one layer, in blocks of `block_len` positions: block `b`
+/// holds positions `b * block_len..`, as (kv_heads, block_len, head_dim) keys and the
+/// same values; the first `len` positions are used. Stored as float32, or as float16
+/// (half the bytes read per step: each task widens its chunk to float32 in a buffer of
+/// its thread, in the core's cache, and runs the float32 kernels on it). Several blocks
+/// need a `block_len` that divides [`CHUNK`] and is a multiple of 16 (the AVX-512 task's
+/// rows); one block may have any length.
 pub struct LayerKv<'a, T = f32> {
-    pub keys: &'a [T],
-    pub values: &'a [T],
+    pub blocks: Vec<(&'a [T], &'a [T])>,
+    pub block_len: usize,
     pub kv_heads: usize,
-    pub capacity: usize,
     pub len: usize,
     pub head_dim: usize,
+}
+
+impl<'a, T> LayerKv<'a, T> {
+    /// One block of `capacity` positions (each head's positions contiguous).
+    pub fn contiguous(keys: &'a [T], values: &'a [T], kv_heads: usize, capacity: usize, len: usize, head_dim: usize) -> Self {
+        Self { blocks: vec![(keys, values)], block_len: capacity, kv_heads, len, head_dim }
+    }
+
+    /// The same, of which only the first `len` positions are used.
+    #[cfg(test)]
+    fn first(&self, len: usize) -> Self {
+        Self { blocks: self.blocks.clone(), block_len: self.block_len, kv_heads: self.kv_heads, len, head_dim: self.head_dim }
+    }
+
+    /// Head `h`'s keys and values at `positions`, which lie in one block.
+    #[inline]
+    fn run(&self, h: usize, positions: std::ops::Range<usize>) -> (&'a [T], &'a [T]) {
+        let (b, at) = (positions.start / self.block_len, positions.start % self.block_len);
+        debug_assert!(at + positions.len() <= self.block_len);
+        let (keys, values) = self.blocks[b];
+        let first = (h * self.block_len + at) * self.head_dim;
+        let n = positions.len() * self.head_dim;
+        (&keys[first..first + n], &values[first..first + n])
+    }
+
+    /// Head `h`'s keys and values at `positions`, a run per block they span.
+    fn runs(&self, h: usize, positions: std::ops::Range<usize>) -> impl Iterator<Item = (&'a [T], &'a [T])> + '_ {
+        let mut p = positions.start;
+        std::iter::from_fn(move || {
+            (p < positions.end).then(|| {
+                let end = ((p / self.block_len + 1) * self.block_len).min(positions.end);
+                let run = self.run(h, p..end);
+                p = end;
+                run
+            })
+        })
+    }
 }
 
 thread_local! {
@@ -88,14 +127,17 @@ pub fn prefill_attention_half(q: &[f32], seq: usize, kv: &LayerKv<'_, f16>) -> V
     {
         let (ks, vs) = (Shards::new(&mut keys), Shards::new(&mut values));
         Team::global().run(kv.kv_heads, &|h| {
-            let src = h * kv.capacity * d..(h * kv.capacity + len) * d;
             // SAFETY: each task writes its own head's rows
             let (kd, vd) = unsafe { (ks.part(h * len * d..(h + 1) * len * d), vs.part(h * len * d..(h + 1) * len * d)) };
-            widen_into(&kv.keys[src.clone()], kd);
-            widen_into(&kv.values[src], vd);
+            let mut at = 0;
+            for (k, v) in kv.runs(h, 0..len) {
+                widen_into(k, &mut kd[at..at + k.len()]);
+                widen_into(v, &mut vd[at..at + v.len()]);
+                at += k.len();
+            }
         });
     }
-    prefill_attention(q, seq, &LayerKv { keys: &keys, values: &values, kv_heads: kv.kv_heads, capacity: len, len, head_dim: d })
+    prefill_attention(q, seq, &LayerKv::contiguous(&keys, &values, kv.kv_heads, len, len, d))
 }
 
 /// How the cache stores its numbers: float32 as is, float16 widened to float32 where the
@@ -228,17 +270,17 @@ unsafe fn chunk_avx512<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, posi
     let n_rep = q.len() / d;
     let n = positions.len();
     let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
-    let first = h * kv.capacity * d + positions.start * d;
-    let (keys, values) = (&kv.keys[first..first + n * d], &kv.values[first..first + n * d]);
+    let start = positions.start;
+    // rows i0.. i0 + LANES of the chunk (in one block: blocks are whole groups of LANES)
+    let group = |i0: usize| kv.run(h, start + i0..start + (i0 + LANES).min(n));
     DECODE.with(|buffers| {
         let (scores, block) = &mut *buffers.borrow_mut();
         scores.clear();
         scores.resize(n_rep * n, 0.0);
         block.resize(LANES * d, 0.0);
-        // rows i0.. i0 + LANES of `src` as float32: in place, or widened (zero-padded past n)
+        // `src` (rows i0.. of the chunk) as float32: in place, or widened (zero-padded past n)
         let rows = |src: &[T], i0: usize, block: &mut Vec<f32>| -> *const f32 {
             let m = LANES.min(n - i0);
-            let src = &src[i0 * d..(i0 + m) * d];
             match T::as_f32(src) {
                 Some(s) if m == LANES => s.as_ptr(),
                 _ => {
@@ -252,18 +294,19 @@ unsafe fn chunk_avx512<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, posi
             }
         };
         for i0 in (0..n).step_by(LANES) {
+            let (keys, values) = group(i0);
             let k = rows(keys, i0, block);
             let m = LANES.min(n - i0);
             {
-                let ahead = (i0 + PF_K * LANES).min(n) * d;
-                let end = (i0 + PF_K * LANES + LANES).min(n) * d;
-                let kp = keys.as_ptr() as *const i8;
-                for off in (ahead * size_of::<T>()..end * size_of::<T>()).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(kp.add(off));
+                let ahead = i0 + PF_K * LANES;
+                if ahead < n {
+                    let kp = group(ahead).0;
+                    for off in (0..std::mem::size_of_val(kp)).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>((kp.as_ptr() as *const i8).add(off));
+                    }
                 }
-                let vp = values.as_ptr() as *const i8;
-                for off in (i0 * d * size_of::<T>()..(i0 + m) * d * size_of::<T>()).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>(vp.add(off));
+                for off in (0..std::mem::size_of_val(values)).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T1>((values.as_ptr() as *const i8).add(off));
                 }
             }
             for r in 0..n_rep {
@@ -286,7 +329,7 @@ unsafe fn chunk_avx512<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, posi
         }
         let mut parts = exponentiate(scores, n, d);
         for i0 in (0..n).step_by(LANES) {
-            let v = rows(values, i0, block);
+            let v = rows(group(i0).1, i0, block);
             // positions past n have zero rows (and their scores are never read)
             let m = LANES.min(n - i0);
             for r0 in (0..n_rep).step_by(4) {
@@ -368,36 +411,41 @@ unsafe fn chunk_avx2<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positi
 #[inline(always)]
 fn chunk_portable<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
     let d = kv.head_dim;
-    let first = (h * kv.capacity + positions.start) * d;
     let n = positions.len();
-    let (keys, values) = (&kv.keys[first..first + n * d], &kv.values[first..first + n * d]);
-    match (T::as_f32(keys), T::as_f32(values)) {
-        (Some(keys), Some(values)) => chunk_f32(q, keys, values, d),
-        _ => WIDE.with(|w| {
+    let runs: Vec<(&[T], &[T])> = kv.runs(h, positions).collect();
+    match runs.iter().map(|&(k, v)| T::as_f32(k).zip(T::as_f32(v))).collect::<Option<Vec<_>>>() {
+        Some(runs) => chunk_f32(q, &runs, n, d),
+        None => WIDE.with(|w| {
             let (wk, wv) = &mut *w.borrow_mut();
             wk.resize(n * d, 0.0);
             wv.resize(n * d, 0.0);
-            T::widen_into(keys, wk);
-            T::widen_into(values, wv);
-            chunk_f32(q, wk, wv, d)
+            let mut at = 0;
+            for (k, v) in runs {
+                T::widen_into(k, &mut wk[at..at + k.len()]);
+                T::widen_into(v, &mut wv[at..at + v.len()]);
+                at += k.len();
+            }
+            chunk_f32(q, &[(&wk[..], &wv[..])], n, d)
         }),
     }
 }
 
-/// The portable task over `keys` and `values`, (positions, d) each, as float32.
+/// The portable task over `n` positions whose keys and values, (positions, d) each as
+/// float32, come in `runs`.
 #[inline(always)]
-fn chunk_f32(q: &[f32], keys: &[f32], values: &[f32], d: usize) -> Vec<Partial> {
+fn chunk_f32(q: &[f32], runs: &[(&[f32], &[f32])], n: usize, d: usize) -> Vec<Partial> {
     let n_rep = q.len() / d;
-    let n = keys.len() / d;
     let scale = 1.0 / (d as f32).sqrt();
     let mut scores = vec![0.0f32; n_rep * n];
-    for (i, k) in keys.chunks_exact(d).enumerate() {
+    let keys = runs.iter().flat_map(|&(k, _)| k.chunks_exact(d));
+    for (i, k) in keys.enumerate() {
         for r in 0..n_rep {
             scores[r * n + i] = dot(&q[r * d..][..d], k) * scale;
         }
     }
     let mut parts = exponentiate(&mut scores, n, d);
-    for (i, v) in values.chunks_exact(d).enumerate() {
+    let values = runs.iter().flat_map(|&(_, v)| v.chunks_exact(d));
+    for (i, v) in values.enumerate() {
         for (r, part) in parts.iter_mut().enumerate() {
             axpy(&mut part.acc, scores[r * n + i], v);
         }
@@ -458,19 +506,23 @@ fn causal_block(
     }
     scores.resize(m * n, 0.0);
     y.resize(m * d, 0.0);
-    let base = h * kv.capacity * d;
-    let (keys, values) = (&kv.keys[base..base + n * d], &kv.values[base..base + n * d]);
-    // SAFETY: every pointer and stride describes memory inside the slices above:
-    // a (m, d), keys and values (n, d) row-major, scores (m, n), y (m, d)
-    unsafe {
-        gemm::gemm(
-            m, n, d,
-            scores.as_mut_ptr(), 1, n as isize, false,
-            a.as_ptr(), 1, d as isize,
-            keys.as_ptr(), d as isize, 1,
-            0.0, 1.0 / (d as f32).sqrt(), false, false, false,
-            gemm::Parallelism::None,
-        );
+    // one product per block of positions: columns `at..at + keys.len() / d` of the scores
+    let mut at = 0;
+    for (keys, _) in kv.runs(h, 0..n) {
+        let cols = keys.len() / d;
+        // SAFETY: every pointer and stride describes memory inside the slices: a (m, d),
+        // keys (cols, d) row-major, scores (m, n) from column `at`
+        unsafe {
+            gemm::gemm(
+                m, cols, d,
+                scores.as_mut_ptr().add(at), 1, n as isize, false,
+                a.as_ptr(), 1, d as isize,
+                keys.as_ptr(), d as isize, 1,
+                0.0, 1.0 / (d as f32).sqrt(), false, false, false,
+                gemm::Parallelism::None,
+            );
+        }
+        at += cols;
     }
     let mut sums = [0f32; BLOCK * 8];
     let sums = if m <= sums.len() { &mut sums[..m] } else { &mut vec![0f32; m][..] };
@@ -478,16 +530,23 @@ fn causal_block(
         let visible = offset + rows.start + row % b + 1;
         sums[row] = softmax_prefix(s, visible);
     }
-    // SAFETY: as above
-    unsafe {
-        gemm::gemm(
-            m, d, n,
-            y.as_mut_ptr(), 1, d as isize, false,
-            scores.as_ptr(), 1, n as isize,
-            values.as_ptr(), 1, d as isize,
-            0.0, 1.0, false, false, false,
-            gemm::Parallelism::None,
-        );
+    // the weighted values, summed over the blocks in order
+    let mut at = 0;
+    for (_, values) in kv.runs(h, 0..n) {
+        let rows = values.len() / d;
+        // SAFETY: y (m, d), the scores' columns `at..at + rows` (row stride n), values
+        // (rows, d) row-major
+        unsafe {
+            gemm::gemm(
+                m, d, rows,
+                y.as_mut_ptr(), 1, d as isize, at > 0,
+                scores.as_ptr().add(at), 1, n as isize,
+                values.as_ptr(), 1, d as isize,
+                1.0, 1.0, false, false, false,
+                gemm::Parallelism::None,
+            );
+        }
+        at += rows;
     }
     for (row, (yr, sum)) in y.chunks_exact(d).zip(sums.iter()).enumerate() {
         let (r, i) = (row / b, rows.start + row % b);
@@ -637,7 +696,7 @@ mod tests {
             let qh = &q[head * d..][..d];
             let scores: Vec<f64> = (0..kv.len)
                 .map(|p| {
-                    let k = &kv.keys[(h * kv.capacity + p) * d..][..d];
+                    let k = kv.run(h, p..p + 1).0;
                     qh.iter().zip(k).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() / (d as f64).sqrt()
                 })
                 .collect();
@@ -645,7 +704,7 @@ mod tests {
             let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let total: f64 = w.iter().sum();
             for (p, wp) in w.iter().enumerate() {
-                let v = &kv.values[(h * kv.capacity + p) * d..][..d];
+                let v = kv.run(h, p..p + 1).1;
                 for j in 0..d {
                     out[head * d + j] += wp / total * v[j] as f64;
                 }
@@ -679,13 +738,13 @@ mod tests {
             let keys = random(kv_heads * capacity * d, 10 + case as u64);
             let values = random(kv_heads * capacity * d, 110 + case as u64);
             let q: Vec<f32> = random(heads * seq * d, 210 + case as u64).iter().map(|x| 4.0 * x).collect();
-            let kv = LayerKv { keys: &keys, values: &values, kv_heads, capacity, len: offset + seq, head_dim: d };
+            let kv = LayerKv::contiguous(&keys, &values, kv_heads, capacity, offset + seq, d);
             let got = prefill_attention(&q, seq, &kv);
             assert_eq!(got.len(), seq * heads * d);
             for i in 0..seq {
                 // position i alone, seeing positions ..= offset + i
                 let qi: Vec<f32> = (0..heads).flat_map(|hh| q[(hh * seq + i) * d..][..d].to_vec()).collect();
-                let want = reference(&qi, &LayerKv { len: offset + i + 1, ..kv });
+                let want = reference(&qi, &kv.first(offset + i + 1));
                 let row = &got[i * heads * d..][..heads * d];
                 let err = row.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
                 assert!(err < 1e-5, "case {case}, position {i}: max error {err}");
@@ -709,8 +768,8 @@ mod tests {
             let (v16, v32) = round(random(kv_heads * capacity * d, 120 + case as u64));
             let heads = kv_heads * n_rep;
             let q: Vec<f32> = random(heads * d, 220 + case as u64).iter().map(|x| 4.0 * x).collect();
-            let half = LayerKv { keys: &k16, values: &v16, kv_heads, capacity, len, head_dim: d };
-            let wide = LayerKv { keys: &k32, values: &v32, kv_heads, capacity, len, head_dim: d };
+            let half = LayerKv::contiguous(&k16, &v16, kv_heads, capacity, len, d);
+            let wide = LayerKv::contiguous(&k32, &v32, kv_heads, capacity, len, d);
             let want = reference(&q, &wide);
             let got = decode_attention(&q, &half);
             let err = got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
@@ -721,7 +780,7 @@ mod tests {
             let offset = len - seq;
             for i in 0..seq {
                 let qi: Vec<f32> = (0..heads).flat_map(|hh| qs[(hh * seq + i) * d..][..d].to_vec()).collect();
-                let want = reference(&qi, &LayerKv { len: offset + i + 1, ..wide });
+                let want = reference(&qi, &wide.first(offset + i + 1));
                 let err = got[i * heads * d..][..heads * d].iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
                 assert!(err < 1e-5, "prefill case {case}, position {i}: max error {err}");
             }
@@ -767,15 +826,75 @@ mod tests {
             let keys = random(kv_heads * capacity * d, 1 + case as u64);
             let values = random(kv_heads * capacity * d, 100 + case as u64);
             let q: Vec<f32> = random(kv_heads * n_rep * d, 200 + case as u64).iter().map(|x| 4.0 * x).collect();
-            let kv = LayerKv { keys: &keys, values: &values, kv_heads, capacity, len, head_dim: d };
+            let kv = LayerKv::contiguous(&keys, &values, kv_heads, capacity, len, d);
             let want = reference(&q, &kv);
             check_every_path(&q, &kv, &want, &format!("case {case}, float32"));
             // the same numbers rounded to float16, against float64 over the rounded values
             let (k16, k32) = rounded(&keys);
             let (v16, v32) = rounded(&values);
-            let half = LayerKv { keys: &k16, values: &v16, kv_heads, capacity, len, head_dim: d };
-            let want = reference(&q, &LayerKv { keys: &k32, values: &v32, ..kv });
+            let half = LayerKv::contiguous(&k16, &v16, kv_heads, capacity, len, d);
+            let want = reference(&q, &LayerKv::contiguous(&k32, &v32, kv_heads, capacity, len, d));
             check_every_path(&q, &half, &want, &format!("case {case}, float16"));
+        }
+    }
+
+    /// Head-major (kv_heads, capacity, d) numbers cut into blocks of `block_len` positions,
+    /// each (kv_heads, block_len, d), the positions past `capacity` zero.
+    fn blocks_of<T: Copy + Default>(x: &[T], kv_heads: usize, capacity: usize, d: usize, block_len: usize) -> Vec<Vec<T>> {
+        (0..capacity.div_ceil(block_len))
+            .map(|b| {
+                let mut block = vec![T::default(); kv_heads * block_len * d];
+                for h in 0..kv_heads {
+                    for i in 0..block_len.min(capacity - b * block_len) {
+                        let p = b * block_len + i;
+                        block[(h * block_len + i) * d..][..d].copy_from_slice(&x[(h * capacity + p) * d..][..d]);
+                    }
+                }
+                block
+            })
+            .collect()
+    }
+
+    #[test]
+    fn blocks_read_as_one_buffer() {
+        // decode over blocks of 16 and 64 positions gives, bit for bit, what it gives over
+        // one buffer, on every path; prefill over blocks matches float64
+        for (case, &(kv_heads, n_rep, d, len, seq)) in [(3, 3, 64, 2 * CHUNK + 37, 40), (2, 4, 32, 100, 1), (1, 2, 64, 64, 17), (3, 3, 64, CHUNK, 2 * BLOCK)].iter().enumerate() {
+            let keys = random(kv_heads * len * d, 50 + case as u64);
+            let values = random(kv_heads * len * d, 150 + case as u64);
+            let q: Vec<f32> = random(kv_heads * n_rep * d, 250 + case as u64).iter().map(|x| 4.0 * x).collect();
+            let whole = LayerKv::contiguous(&keys, &values, kv_heads, len, len, d);
+            let (k16, _) = rounded(&keys);
+            let (v16, _) = rounded(&values);
+            let whole16 = LayerKv::contiguous(&k16, &v16, kv_heads, len, len, d);
+            for block_len in [16, 64] {
+                let (kb, vb) = (blocks_of(&keys, kv_heads, len, d, block_len), blocks_of(&values, kv_heads, len, d, block_len));
+                let kv = LayerKv { blocks: kb.iter().zip(&vb).map(|(k, v)| (&k[..], &v[..])).collect(), block_len, kv_heads, len, head_dim: d };
+                let (kb16, vb16) = (blocks_of(&k16, kv_heads, len, d, block_len), blocks_of(&v16, kv_heads, len, d, block_len));
+                let kv16 = LayerKv { blocks: kb16.iter().zip(&vb16).map(|(k, v)| (&k[..], &v[..])).collect(), block_len, kv_heads, len, head_dim: d };
+                for k in Kernel::available() {
+                    let run = |kv: &LayerKv<'_>| match k {
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Avx512 => attend_with(&q, kv, |q, kv, h, p| unsafe { chunk_avx512(q, kv, h, p) }),
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Avx2 => attend_with(&q, kv, |q, kv, h, p| unsafe { chunk_avx2(q, kv, h, p) }),
+                        _ => attend_with(&q, kv, chunk_portable),
+                    };
+                    assert_eq!(run(&kv), run(&whole), "case {case}, blocks of {block_len}, {k:?}");
+                }
+                assert_eq!(decode_attention(&q, &kv16), decode_attention(&q, &whole16), "case {case}, float16 blocks of {block_len}");
+                let qs: Vec<f32> = random(kv_heads * n_rep * seq * d, 350 + case as u64).iter().map(|x| 4.0 * x).collect();
+                let got = prefill_attention(&qs, seq, &kv);
+                let got16 = prefill_attention_half(&qs, seq, &kv16);
+                assert_eq!(got16, prefill_attention_half(&qs, seq, &whole16), "case {case}: float16 prefill widens the same numbers");
+                let heads = kv_heads * n_rep;
+                for i in 0..seq {
+                    let qi: Vec<f32> = (0..heads).flat_map(|hh| qs[(hh * seq + i) * d..][..d].to_vec()).collect();
+                    let want = reference(&qi, &whole.first(len - seq + i + 1));
+                    let err = got[i * heads * d..][..heads * d].iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
+                    assert!(err < 1e-5, "prefill case {case}, blocks of {block_len}, position {i}: max error {err}");
+                }
+            }
         }
     }
 

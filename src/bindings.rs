@@ -581,11 +581,20 @@ impl PySentencePiece {
     }
 }
 
+/// Bytes of the blocks `caches` refer to together, each block counted once.
+#[pyfunction]
+fn held_bytes(caches: Vec<Bound<'_, KVCache>>) -> PyResult<usize> {
+    let guards = caches.iter().map(read).collect::<PyResult<Vec<_>>>()?;
+    Ok(KvCache::held_bytes(guards.iter().map(|g| &g.inner)))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pin_thread_count();
     m.add_class::<Model>()?;
     m.add_function(wrap_pyfunction!(read_gguf_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(held_bytes, m)?)?;
+    m.add("BLOCK_LEN", crate::cache::BLOCK_LEN)?;
     m.add_class::<KVCache>()?;
     m.add_class::<UpstreamModel>()?;
     m.add_class::<UpstreamKVCache>()?;

@@ -1,16 +1,21 @@
 //! The KV cache the native engine owns.
 //!
-//! Keys and values are stored per layer before GQA expansion, as (1, kv_heads, capacity,
-//! head_dim) buffers that new positions are written into in place; attention reads a
-//! narrowed view of the first `len` positions, so no step copies the cache. Buffers grow
-//! geometrically up to the model's context length.
+//! Keys and values are stored per layer before GQA expansion, in blocks of
+//! [`BLOCK_LEN`] positions: each block holds, for every layer, (1, kv_heads, BLOCK_LEN,
+//! head_dim) keys and values, and a cache is a table of references to its blocks (position
+//! `p` lives in block `p / BLOCK_LEN`). New positions are written in place; attention
+//! reads the blocks through the table ([`crate::attention::LayerKv`]), so no step copies
+//! the cache.
 //!
-//! Forks share buffers copy-on-write. A shared store keeps a *frontier*: the highest
-//! length any holder may rely on. A holder whose length equals the frontier may append
-//! in place (every other holder only reads positions below its own, shorter or equal,
-//! length); any other holder copies its prefix into a fresh store first. So after a
-//! fork the first side to append keeps the buffers and the second pays one copy.
+//! Blocks are shared by reference: `fork` copies the table, never keys or values, and
+//! `crop`, `trim` and `reset` drop references. A block keeps a *frontier*: how many of its
+//! positions some holder may rely on. A holder that holds exactly the frontier (or the
+//! only holder) may append in place, since every other holder only reads positions below
+//! its own, shorter or equal, length; any other holder first copies that one partly filled
+//! block. So after a fork the first side to append writes in place and the second copies
+//! at most one block, and n forks of a long prompt share every full block of it.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use half::slice::HalfFloatSliceExt;
@@ -19,6 +24,9 @@ use candle_core::{DType, Device, Storage, Tensor};
 
 use crate::attention::{decode_attention, prefill_attention, prefill_attention_half, LayerKv};
 
+/// A tensor's storage, locked for reading, and its layout.
+type Locked<'g> = (std::sync::RwLockReadGuard<'g, Storage>, &'g candle_core::Layout);
+
 /// One layer's cached keys and values read in place, by storage type.
 enum Kv<'a> {
     F32(&'a LayerKv<'a>),
@@ -26,6 +34,12 @@ enum Kv<'a> {
 }
 
 use crate::error::{Error, Result};
+
+/// Positions per block: small enough that a fork that diverges copies little and holds
+/// little beyond what it adds (a 2,000-token prompt forked 8 times and extended by 64
+/// tokens each: at most 64 + 64 positions per fork), a whole number of the decode
+/// attention's groups of 16 and a divisor of its chunk of 256 positions per task.
+pub const BLOCK_LEN: usize = 64;
 
 /// The shape of every layer's storage; fixed by the model that made the cache.
 #[derive(Debug, Clone)]
@@ -43,41 +57,62 @@ impl CacheLayout {
     pub fn bytes_per_token(&self) -> usize {
         2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
     }
+
+    /// Bytes of one block (all its positions, used or not).
+    pub fn bytes_per_block(&self) -> usize {
+        BLOCK_LEN * self.bytes_per_token()
+    }
 }
 
-const MIN_CAPACITY: usize = 64;
-
-struct Store {
+struct Block {
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
-    capacity: usize,
     frontier: Mutex<usize>,
 }
 
-impl Store {
-    fn new(layout: &CacheLayout, capacity: usize) -> Result<Self> {
-        let shape = (1, layout.kv_heads, capacity, layout.head_dim);
+impl Block {
+    fn new(layout: &CacheLayout) -> Result<Self> {
+        let shape = (1, layout.kv_heads, BLOCK_LEN, layout.head_dim);
         let mut keys = Vec::with_capacity(layout.num_layers);
         let mut values = Vec::with_capacity(layout.num_layers);
         for _ in 0..layout.num_layers {
             keys.push(Tensor::zeros(shape, layout.dtype, &layout.device)?);
             values.push(Tensor::zeros(shape, layout.dtype, &layout.device)?);
         }
-        Ok(Self { keys, values, capacity, frontier: Mutex::new(0) })
+        Ok(Self { keys, values, frontier: Mutex::new(0) })
+    }
+
+    /// A private copy (every position: the ones past the holder's length are never read).
+    fn copy(&self) -> Result<Self> {
+        let copy = |ts: &[Tensor]| ts.iter().map(Tensor::copy).collect::<candle_core::Result<Vec<_>>>();
+        Ok(Self { keys: copy(&self.keys)?, values: copy(&self.values)?, frontier: Mutex::new(0) })
+    }
+
+    /// Lets a holder of `start` positions write up to position `end`: true if it may write
+    /// in place (it is the only holder, or no holder relies on more than `start`).
+    fn claim(self: &Arc<Self>, start: usize, end: usize) -> bool {
+        let only = Arc::strong_count(self) == 1;
+        let mut frontier = self.frontier.lock().unwrap_or_else(|p| p.into_inner());
+        if only || *frontier <= start {
+            *frontier = end;
+            return true;
+        }
+        false
     }
 }
 
 pub struct KvCache {
     model_id: u64,
     layout: CacheLayout,
-    store: Option<Arc<Store>>,
+    /// block `b` holds positions `b * BLOCK_LEN..`; at least the blocks of `len` positions
+    blocks: Vec<Arc<Block>>,
     /// The ids whose keys and values the cache holds; its length is the cache length.
     tokens: Vec<u32>,
 }
 
 impl KvCache {
     pub(crate) fn new(model_id: u64, layout: CacheLayout) -> Self {
-        Self { model_id, layout, store: None, tokens: Vec::new() }
+        Self { model_id, layout, blocks: Vec::new(), tokens: Vec::new() }
     }
 
     pub fn model_id(&self) -> u64 {
@@ -104,9 +139,9 @@ impl KvCache {
         &self.tokens
     }
 
-    /// Positions allocated in the storage this cache currently points at.
+    /// Positions in the blocks this cache refers to.
     pub fn capacity(&self) -> usize {
-        self.store.as_ref().map_or(0, |s| s.capacity)
+        self.blocks.len() * BLOCK_LEN
     }
 
     /// Bytes of the keys and values of the positions this cache holds.
@@ -114,24 +149,47 @@ impl KvCache {
         self.len() * self.layout.bytes_per_token()
     }
 
-    /// Empties the cache, keeping its storage for reuse.
-    pub fn reset(&mut self) {
-        self.tokens.clear();
+    /// Bytes of the blocks `caches` refer to together, each block counted once however
+    /// many of them share it: the memory they hold.
+    pub fn held_bytes<'a>(caches: impl IntoIterator<Item = &'a KvCache>) -> usize {
+        let mut seen = HashSet::new();
+        let mut bytes = 0;
+        for cache in caches {
+            for block in &cache.blocks {
+                if seen.insert(Arc::as_ptr(block)) {
+                    bytes += cache.layout.bytes_per_block();
+                }
+            }
+        }
+        bytes
     }
 
-    /// Keeps the first `n` positions. O(1): only the length changes. Returns the number
-    /// of positions dropped.
+    /// Drops the blocks past the first `len` positions' (references only).
+    fn release(&mut self) {
+        self.blocks.truncate(self.len().div_ceil(BLOCK_LEN));
+    }
+
+    /// Empties the cache, dropping its references to blocks.
+    pub fn reset(&mut self) {
+        self.tokens.clear();
+        self.release();
+    }
+
+    /// Keeps the first `n` positions. O(1) in the positions: the length changes and the
+    /// references to blocks past them are dropped. Returns the number of positions dropped.
     pub fn crop(&mut self, n: i64) -> Result<usize> {
         let keep = self.count(n, false)?;
         let dropped = self.len() - keep;
         self.tokens.truncate(keep);
+        self.release();
         Ok(dropped)
     }
 
-    /// Drops the last `n` positions. O(1). Returns `n`, the number dropped.
+    /// Drops the last `n` positions, as [`Self::crop`]. Returns `n`, the number dropped.
     pub fn trim(&mut self, n: i64) -> Result<usize> {
         let drop = self.count(n, true)?;
         self.tokens.truncate(self.len() - drop);
+        self.release();
         Ok(drop)
     }
 
@@ -157,23 +215,24 @@ impl KvCache {
         Error::Input(format!("cannot {verb} {n}: the cache holds {len} positions, so n must be in [0, {len}]{hint}"))
     }
 
-    /// A new cache with the same prefix, sharing the storage until one side appends.
+    /// A new cache with the same positions, sharing every block.
     pub fn fork(&self) -> Self {
         Self {
             model_id: self.model_id,
             layout: self.layout.clone(),
-            store: self.store.clone(),
+            blocks: self.blocks[..self.len().div_ceil(BLOCK_LEN)].to_vec(),
             tokens: self.tokens.clone(),
         }
     }
 
-    /// Whether this cache is sharing storage with another live cache.
+    /// Whether this cache shares a block with another live cache.
     pub fn is_shared(&self) -> bool {
-        self.store.as_ref().is_some_and(|s| Arc::strong_count(s) > 1)
+        self.blocks.iter().any(|b| Arc::strong_count(b) > 1)
     }
 
-    /// Makes positions `len..len + extra` writable in place: claims them in the shared
-    /// store, or moves this cache's prefix into a new, larger or private store.
+    /// Makes positions `len..len + extra` writable in place: claims them in the blocks
+    /// this cache has, copying a block another holder relies on past this cache's
+    /// positions, and adds new blocks.
     pub(crate) fn reserve(&mut self, extra: usize) -> Result<()> {
         let len = self.len();
         let needed = len + extra;
@@ -185,38 +244,40 @@ impl KvCache {
                 available: self.layout.max_len - len,
             });
         }
-        if let Some(store) = &self.store {
-            if store.capacity >= needed {
-                let exclusive = Arc::strong_count(store) == 1;
-                let mut frontier = store.frontier.lock().unwrap_or_else(|p| p.into_inner());
-                if exclusive || *frontier <= len {
-                    *frontier = needed;
-                    return Ok(());
+        for b in len / BLOCK_LEN..needed.div_ceil(BLOCK_LEN) {
+            let first = b * BLOCK_LEN;
+            let (start, end) = (len.saturating_sub(first), (needed - first).min(BLOCK_LEN));
+            match self.blocks.get(b) {
+                Some(block) if block.claim(start, end) => {}
+                Some(block) => {
+                    let copy = block.copy()?;
+                    *copy.frontier.lock().unwrap_or_else(|p| p.into_inner()) = end;
+                    self.blocks[b] = Arc::new(copy);
+                }
+                None => {
+                    let block = Block::new(&self.layout)?;
+                    *block.frontier.lock().unwrap_or_else(|p| p.into_inner()) = end;
+                    self.blocks.push(Arc::new(block));
                 }
             }
         }
-        // Room to double what the cache holds: geometric growth when it fills up, and a
-        // fork copying its prefix out of shared storage gets headroom, not the old size.
-        let capacity = needed.max(2 * len).max(MIN_CAPACITY).min(self.layout.max_len);
-        let fresh = Store::new(&self.layout, capacity)?;
-        if len > 0 {
-            let old = self.store.as_ref().expect("a non-empty cache has a store");
-            for (dst, src) in fresh.keys.iter().zip(&old.keys).chain(fresh.values.iter().zip(&old.values)) {
-                dst.slice_set(&src.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
-            }
-        }
-        *fresh.frontier.lock().unwrap_or_else(|p| p.into_inner()) = needed;
-        self.store = Some(Arc::new(fresh));
         Ok(())
     }
 
     /// Writes the new keys and values (1, kv_heads, n, head_dim) of `layer` at the end
     /// of the cache. Positions must have been reserved.
     pub(crate) fn write(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        let store = self.store.as_ref().expect("reserve() runs before write()");
         let dtype = self.layout.dtype;
-        store.keys[layer].slice_set(&k.to_dtype(dtype)?, 2, self.len())?;
-        store.values[layer].slice_set(&v.to_dtype(dtype)?, 2, self.len())?;
+        let n = k.dim(2)?;
+        let mut done = 0;
+        while done < n {
+            let p = self.len() + done;
+            let (block, at) = (&self.blocks[p / BLOCK_LEN], p % BLOCK_LEN);
+            let m = (BLOCK_LEN - at).min(n - done);
+            block.keys[layer].slice_set(&k.narrow(2, done, m)?.contiguous()?.to_dtype(dtype)?, 2, at)?;
+            block.values[layer].slice_set(&v.narrow(2, done, m)?.contiguous()?.to_dtype(dtype)?, 2, at)?;
+            done += m;
+        }
         Ok(())
     }
 
@@ -224,24 +285,29 @@ impl KvCache {
     /// `layer` at the end of the cache, in place. Positions must have been reserved; the
     /// cache must be float32 or float16 in CPU memory.
     pub(crate) fn write_one(&self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
-        let store = self.store.as_ref().expect("reserve() runs before write_one()");
+        let p = self.len();
+        let block = &self.blocks[p / BLOCK_LEN];
         let (heads, d) = (self.layout.kv_heads, self.layout.head_dim);
-        for (t, data) in [(&store.keys[layer], k), (&store.values[layer], v)] {
-            t.inplace_op1(&WritePosition { data, pos: self.len(), capacity: store.capacity, heads, head_dim: d })?;
+        for (t, data) in [(&block.keys[layer], k), (&block.values[layer], v)] {
+            t.inplace_op1(&WritePosition { data, pos: p % BLOCK_LEN, capacity: BLOCK_LEN, heads, head_dim: d })?;
         }
         Ok(())
     }
 
-    /// Views of the first `len` positions of `layer`'s keys and values (no copy).
+    /// `layer`'s keys and values of the first `len` positions, (1, kv_heads, len,
+    /// head_dim) each: the blocks joined (a copy).
     pub(crate) fn view(&self, layer: usize, len: usize) -> Result<(Tensor, Tensor)> {
-        match &self.store {
-            Some(store) => Ok((store.keys[layer].narrow(2, 0, len)?, store.values[layer].narrow(2, 0, len)?)),
-            None => Err(Error::Cache("the cache has no storage yet".into())),
+        let used = &self.blocks[..len.div_ceil(BLOCK_LEN)];
+        if used.is_empty() {
+            let t = Tensor::zeros((1, self.layout.kv_heads, 0, self.layout.head_dim), self.layout.dtype, &self.layout.device)?;
+            return Ok((t.clone(), t));
         }
+        let join = |ts: Vec<&Tensor>| -> Result<Tensor> { Ok(Tensor::cat(&ts, 2)?.narrow(2, 0, len)?) };
+        Ok((join(used.iter().map(|b| &b.keys[layer]).collect())?, join(used.iter().map(|b| &b.values[layer]).collect())?))
     }
 
     /// Attention of one new position's queries `q` (heads, head_dim) over `layer`'s first
-    /// `len` positions, read in place from the buffers ([`crate::attention`]). None when
+    /// `len` positions, read in place from the blocks ([`crate::attention`]). None when
     /// the cache is not float32 in CPU memory (the caller then uses candle's ops).
     pub(crate) fn attend_one(&self, layer: usize, q: &[f32], len: usize) -> Result<Option<Vec<f32>>> {
         self.with_layer(layer, len, |kv| match kv {
@@ -261,34 +327,28 @@ impl KvCache {
         })
     }
 
-    /// Runs `f` over `layer`'s first `len` positions read in place; None when the cache is
-    /// not float32 or float16 in CPU memory.
+    /// Runs `f` over `layer`'s first `len` positions read in place from the blocks; None
+    /// when the cache is not float32 or float16 in CPU memory.
     fn with_layer<R>(&self, layer: usize, len: usize, f: impl FnOnce(Kv<'_>) -> R) -> Result<Option<R>> {
-        let store = self.store.as_ref().ok_or_else(|| Error::Cache("the cache has no storage yet".into()))?;
+        let used = &self.blocks[..len.div_ceil(BLOCK_LEN)];
         if !self.layout.device.is_cpu() {
             return Ok(None);
         }
-        let (ks, kl) = store.keys[layer].storage_and_layout();
-        let (vs, vl) = store.values[layer].storage_and_layout();
-        let (Storage::Cpu(k), Storage::Cpu(v)) = (&*ks, &*vs) else { return Ok(None) };
-        let (kv_heads, capacity, head_dim) = (self.layout.kv_heads, store.capacity, self.layout.head_dim);
+        let guards: Vec<_> = used.iter().map(|b| [b.keys[layer].storage_and_layout(), b.values[layer].storage_and_layout()]).collect();
+        /// Each block's keys and values as slices of its CPU storage (None elsewhere).
+        #[allow(clippy::type_complexity)]
+        fn slices<'g, T: candle_core::WithDType>(guards: &'g [[Locked<'g>; 2]]) -> Result<Option<Vec<(&'g [T], &'g [T])>>> {
+            let mut out = Vec::with_capacity(guards.len());
+            for [(ks, kl), (vs, vl)] in guards {
+                let (Storage::Cpu(k), Storage::Cpu(v)) = (&**ks, &**vs) else { return Ok(None) };
+                out.push((&k.as_slice::<T>()?[kl.start_offset()..], &v.as_slice::<T>()?[vl.start_offset()..]));
+            }
+            Ok(Some(out))
+        }
+        let (kv_heads, head_dim) = (self.layout.kv_heads, self.layout.head_dim);
         Ok(match self.layout.dtype {
-            DType::F32 => Some(f(Kv::F32(&LayerKv {
-                keys: &k.as_slice::<f32>()?[kl.start_offset()..],
-                values: &v.as_slice::<f32>()?[vl.start_offset()..],
-                kv_heads,
-                capacity,
-                len,
-                head_dim,
-            }))),
-            DType::F16 => Some(f(Kv::F16(&LayerKv {
-                keys: &k.as_slice::<half::f16>()?[kl.start_offset()..],
-                values: &v.as_slice::<half::f16>()?[vl.start_offset()..],
-                kv_heads,
-                capacity,
-                len,
-                head_dim,
-            }))),
+            DType::F32 => slices::<f32>(&guards)?.map(|blocks| f(Kv::F32(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
+            DType::F16 => slices::<half::f16>(&guards)?.map(|blocks| f(Kv::F16(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
             _ => None,
         })
     }
@@ -305,10 +365,6 @@ impl KvCache {
                 "layer {layer} is out of range: the cache has {} layers",
                 self.layout.num_layers
             )));
-        }
-        if self.is_empty() {
-            let shape = (1, self.layout.kv_heads, 0, self.layout.head_dim);
-            return Ok(Tensor::zeros(shape, self.layout.dtype, &self.layout.device)?);
         }
         let (k, v) = self.view(layer, self.len())?;
         Ok(if values { v } else { k }.contiguous()?)
@@ -386,6 +442,49 @@ mod tests {
     }
 
     #[test]
+    fn forks_share_full_blocks_and_copy_at_most_one() {
+        let layout = cache().layout;
+        let block = layout.bytes_per_block();
+        let mut a = cache();
+        append(&mut a, 2 * BLOCK_LEN + 10, 1.0); // two full blocks and one partly filled
+        let mut forks: Vec<KvCache> = (0..4).map(|_| a.fork()).collect();
+        assert_eq!(KvCache::held_bytes(std::iter::once(&a).chain(&forks)), 3 * block);
+        for (i, f) in forks.iter_mut().enumerate() {
+            append(f, 5, 2.0 + i as f32);
+        }
+        // the first fork wrote in place; the others copied the partly filled block
+        assert_eq!(KvCache::held_bytes(std::iter::once(&a).chain(&forks)), 3 * block + 3 * block);
+        for (i, f) in forks.iter().enumerate() {
+            let mut want = vec![1.0; 2 * BLOCK_LEN + 10];
+            want.extend([2.0 + i as f32; 5]);
+            assert_eq!(position_values(f), want);
+        }
+        assert_eq!(position_values(&a), vec![1.0; 2 * BLOCK_LEN + 10]);
+        // a appends after its forks: it copies its partly filled block too
+        append(&mut a, 1, 9.0);
+        assert_eq!(position_values(&a)[2 * BLOCK_LEN + 10], 9.0);
+        assert_eq!(position_values(&forks[0])[2 * BLOCK_LEN + 10], 2.0);
+        // cropping drops references: the blocks only `a` held past 64 positions are freed
+        a.crop(BLOCK_LEN as i64).unwrap();
+        assert_eq!(a.capacity(), BLOCK_LEN);
+        drop(forks);
+        assert_eq!(KvCache::held_bytes([&a]), block);
+        assert!(!a.is_shared());
+    }
+
+    #[test]
+    fn a_fork_at_a_block_boundary_copies_nothing() {
+        let mut a = cache();
+        append(&mut a, BLOCK_LEN, 1.0);
+        let mut b = a.fork();
+        append(&mut b, 3, 2.0);
+        append(&mut a, 3, 3.0);
+        assert_eq!(KvCache::held_bytes([&a, &b]), 3 * a.layout.bytes_per_block());
+        assert_eq!(position_values(&b)[BLOCK_LEN..], [2.0; 3]);
+        assert_eq!(position_values(&a)[BLOCK_LEN..], [3.0; 3]);
+    }
+
+    #[test]
     fn crop_then_append_overwrites_only_the_dropped_tail() {
         let mut a = cache();
         append(&mut a, 5, 1.0);
@@ -404,7 +503,7 @@ mod tests {
         for i in 0..200 {
             append(&mut a, 1, i as f32);
         }
-        assert_eq!(a.capacity(), 200);
+        assert_eq!(a.capacity(), 200usize.div_ceil(BLOCK_LEN) * BLOCK_LEN);
         assert_eq!(position_values(&a), (0..200).map(|i| i as f32).collect::<Vec<_>>());
         assert!(matches!(a.reserve(1), Err(Error::Position { offset: 200, limit: 200, .. })));
     }

@@ -43,12 +43,12 @@ def test_layer_index_out_of_range(tiny):
         cache.layers[-3]
 
 
-def test_reset_keeps_storage_and_forgets_tokens(tiny):
+def test_reset_drops_its_blocks_and_forgets_tokens(tiny):
     cache = tiny.new_cache()
     tiny.forward([1, 2, 3, 4, 5], cache)
-    capacity = cache.capacity
+    assert cache.capacity == kvcandle.BLOCK_LEN and cache.held_bytes == kvcandle.BLOCK_LEN * cache.bytes_per_token
     cache.reset()
-    assert len(cache) == 0 and cache.tokens == [] and cache.capacity == capacity
+    assert len(cache) == 0 and cache.tokens == [] and cache.capacity == 0 and cache.held_bytes == 0
     fresh, _ = run(tiny, [9, 8, 7])
     again = tiny.forward([9, 8, 7], cache, all_logits=True)
     assert max_abs(again, fresh) == 0.0
@@ -58,10 +58,10 @@ def test_reset_keeps_storage_and_forgets_tokens(tiny):
 def test_crop_and_trim_keep_a_prefix(tiny, op, n, kept):
     ids = [3, 1, 4, 1, 5, 9, 2]
     _, cache = run(tiny, ids)
-    capacity = cache.capacity
     dropped = getattr(cache, op)(n)
     assert dropped == 7 - kept and len(cache) == kept and cache.tokens == ids[:kept]
-    assert cache.capacity == capacity  # nothing reallocated: O(1)
+    # nothing copied or reallocated: the block is kept while positions remain in it
+    assert cache.capacity == (kvcandle.BLOCK_LEN if kept else 0)
     # continuing after the crop equals running the prefix + new tokens from scratch
     cont = tiny.forward([6, 5], cache, all_logits=True)
     ref, _ = run(tiny, ids[:kept] + [6, 5])
@@ -153,7 +153,7 @@ def test_parent_append_after_fork_does_not_leak_into_child(tiny):
     assert max_abs(out, run(tiny, [1, 2, 3, 6])[0][-1]) <= 1e-5
 
 
-def test_storage_grows_geometrically_without_changing_results(tmp_path):
+def test_storage_grows_by_blocks_without_changing_results(tmp_path):
     model = kvcandle.load(write_hf_dir(tmp_path / "long", Shape("long", max_pos=300, layers=1)))
     cache = model.new_cache()
     ids = np.random.default_rng(0).integers(0, 101, 300).tolist()
@@ -163,7 +163,8 @@ def test_storage_grows_geometrically_without_changing_results(tmp_path):
         model.forward([t], cache)
         if cache.capacity != capacities[-1]:
             capacities.append(cache.capacity)
-    assert capacities == [64, 128, 256, 300]  # doubling, capped at the context length
+    block = kvcandle.BLOCK_LEN
+    assert capacities == list(range(block, 300 + block, block))  # a block at a time, to the one holding the last position
     assert len(cache) == 300 == cache.max_length
     _, ref = run(model, ids)
     assert max_abs(cache.layers[0].keys, ref.layers[0].keys) <= 1e-5
@@ -204,3 +205,46 @@ def test_prefill_refuses_a_cache_that_is_not_a_prefix(tiny):
         tiny.prefill([1, 2, 3], cache)  # the cache holds more than the prompt
     cache.crop(2)
     assert max_abs(tiny.prefill([1, 2, 9], cache), tiny.forward([1, 2, 9])) <= 1e-5
+
+
+def test_forks_share_blocks_and_continue_as_fresh_caches(tmp_path):
+    # a prompt of two full blocks and part of a third, forked 8 times, each fork extended
+    # by its own tokens: the full blocks stay shared; the first fork to append writes in
+    # place, the others copy the one partly filled block; every fork's logits equal, bit
+    # for bit, a fresh cache fed the same pieces
+    model = kvcandle.load(write_hf_dir(tmp_path / "long", Shape("long", max_pos=300, layers=2)))
+    block = kvcandle.BLOCK_LEN
+    prompt = np.random.default_rng(1).integers(0, 101, 2 * block + 22).tolist()
+    cache = model.new_cache()
+    model.forward(prompt, cache)
+    forks = [cache.fork() for _ in range(8)]
+    assert kvcandle.held_bytes([cache, *forks]) == cache.held_bytes == 3 * block * cache.bytes_per_token
+    for i, f in enumerate(forks):
+        mine = [i, i + 1, i + 2, 7, 7]
+        got = model.forward(mine, f, all_logits=True)
+        fresh = model.new_cache()
+        model.forward(prompt, fresh)
+        assert np.array_equal(got, model.forward(mine, fresh, all_logits=True))
+        assert f.tokens == prompt + mine and f.is_shared
+    assert kvcandle.held_bytes([cache, *forks]) == (3 + 7) * block * cache.bytes_per_token
+    # the original still reads its own positions, and continues as a fresh cache does
+    got = model.forward([9], cache)
+    fresh = model.new_cache()
+    model.forward(prompt, fresh)
+    assert np.array_equal(got, model.forward([9], fresh))
+    with pytest.raises(TypeError, match=r"caches\[1\]"):
+        kvcandle.held_bytes([cache, "x"])
+
+
+def test_a_fork_extended_past_its_blocks_decodes_as_a_fresh_cache(tmp_path):
+    # one token at a time across block boundaries, on a fork and on a fresh cache
+    model = kvcandle.load(write_hf_dir(tmp_path / "long", Shape("long", max_pos=300, layers=2)))
+    ids = np.random.default_rng(2).integers(0, 101, 200).tolist()
+    base = model.new_cache()
+    model.forward(ids[:60], base)
+    fork, fresh = base.fork(), model.new_cache()
+    model.forward(ids[:60], fresh)
+    model.forward([1], base)  # the original appends first: the fork must copy
+    for t in ids[60:]:
+        assert np.array_equal(model.forward([t], fork), model.forward([t], fresh))
+    assert np.array_equal(fork.layers[1].keys, fresh.layers[1].keys)

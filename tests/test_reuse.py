@@ -71,7 +71,7 @@ def test_prompt_cache_lookup_gives_the_longest_shared_prefix(tiny: kvcandle.Mode
     c = tiny.new_cache()
     tiny.forward(A, c)
     assert pc.insert(c) and len(pc) == 1
-    assert pc.nbytes == c.nbytes
+    assert pc.nbytes == c.held_bytes
     hit = pc.lookup(A[:6] + [5, 5])
     assert hit.tokens == A[:6]
     # the entry is a fork: appending to the found cache never changes it
@@ -115,7 +115,7 @@ def test_prompt_cache_evicts_least_recently_used(tiny: kvcandle.Model) -> None:
         c = tiny.new_cache()
         tiny.forward([start] * 10, c)
         caches.append(c)
-    per = caches[0].nbytes
+    per = caches[0].held_bytes  # one block
     pc = kvcandle.PromptCache(tiny, max_bytes=2 * per)
     pc.insert(caches[0])
     pc.insert(caches[1])
@@ -180,3 +180,26 @@ def test_generate_with_a_prompt_cache(default_model: kvcandle.Model) -> None:
     kvcandle.generate(default_model, doc + "When is the meeting?", max_tokens=4, cache=cache)
     plain = kvcandle.generate(default_model, doc + "Where is the meeting?", max_tokens=4, cache=cache)
     assert (second.tokens, second.stats.reused_tokens) == (plain.tokens, plain.stats.reused_tokens)
+
+
+def test_prompt_cache_counts_shared_blocks_once(tmp_path) -> None:
+    from builders import Shape, write_hf_dir
+
+    model = kvcandle.load(write_hf_dir(tmp_path / "long", Shape("long", max_pos=300, layers=1)))
+    block = kvcandle.BLOCK_LEN
+    prompt = [i % 100 + 1 for i in range(2 * block)]  # two full blocks
+    base = model.new_cache()
+    model.forward(prompt, base)
+    a, b = base.fork(), base.fork()
+    model.forward([3, 3], a)
+    model.forward([4, 4], b)
+    pc = kvcandle.PromptCache(model, max_bytes=10**9)
+    assert pc.insert(a) and pc.insert(b) and len(pc) == 2
+    # two full blocks shared, and each entry's own third block
+    assert pc.nbytes == 4 * block * base.bytes_per_token < a.held_bytes + b.held_bytes
+    # a budget of the four blocks keeps both entries; one block less drops the older
+    assert kvcandle.PromptCache(model, max_bytes=pc.nbytes).insert(a)
+    small = kvcandle.PromptCache(model, max_bytes=pc.nbytes - 1)
+    small.insert(a)
+    small.insert(b)
+    assert small.entries() == [prompt + [4, 4]]

@@ -8,9 +8,9 @@
 """
 
 from . import upstream
-from ._core import __version__, compiled_devices
+from ._core import BLOCK_LEN, __version__, compiled_devices
 from ._default import default_model_path
-from .cache import KVCache, LayerView
+from .cache import KVCache, LayerView, held_bytes
 from .conversation import Conversation
 from .errors import (
     CacheError,
@@ -34,6 +34,8 @@ from .tokenizer import Tokenizer
 __all__ = [
     "__version__",
     "compiled_devices",
+    "BLOCK_LEN",
+    "held_bytes",
     "default_model_path",
     "load",
     "load_cache",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Iterator, Mapping, Optional, Sequence, Union, overload
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional, Sequence, Union, overload
 
 import numpy as np
 
@@ -110,12 +110,20 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        """Positions allocated in the storage the cache points at (grows geometrically)."""
+        """Positions in the blocks the cache refers to (a whole number of blocks of
+        ``kvcandle.BLOCK_LEN`` positions)."""
         return self._inner.capacity
 
     @property
+    def held_bytes(self) -> int:
+        """Bytes of the blocks the cache refers to, shared ones included:
+        ``kvcandle.held_bytes([cache, *forks])`` counts what several hold together."""
+        return held_bytes([self])
+
+    @property
     def is_shared(self) -> bool:
-        """True while the cache shares storage with a fork (copy-on-write)."""
+        """True while the cache shares a block with another cache (a fork, a
+        ``PromptCache`` entry)."""
         return self._inner.is_shared
 
     @property
@@ -124,7 +132,7 @@ class KVCache:
         return Layers(self._inner)
 
     def reset(self) -> None:
-        """Empties the cache; its storage is kept for reuse."""
+        """Empties the cache, dropping its references to blocks."""
         self._inner.reset()
 
     def crop(self, n: int) -> int:
@@ -162,10 +170,11 @@ class KVCache:
         return self._inner.trim(_as_int(n, "n"))
 
     def fork(self) -> "KVCache":
-        """A new cache holding the same prefix, copy-on-write.
+        """A new cache holding the same positions, sharing every block by reference.
 
-        O(1): no keys or values are copied until one side appends, and neither side
-        ever sees what the other appends afterwards.
+        No keys or values are copied: the first side to append writes in place, another
+        copies at most the one partly filled block it shares, and neither side ever sees
+        what the other appends afterwards.
         """
         return KVCache(self._inner.fork(), self._model)
 
@@ -191,6 +200,18 @@ class KVCache:
 
     def __repr__(self) -> str:
         return f"KVCache(len={len(self)}, max_length={self.max_length}, layers={len(self.layers)}, dtype={self.dtype!r})"
+
+
+def held_bytes(caches: Iterable[KVCache]) -> int:
+    """Bytes of the blocks ``caches`` refer to together, each block counted once however
+    many of them share it: the memory of keys and values they hold (``nbytes`` counts
+    each cache's own positions, shared or not)."""
+    inner = []
+    for i, c in enumerate(caches):
+        if not isinstance(c, KVCache):
+            raise TypeError(f"caches[{i}] must be a kvcandle.KVCache, got {type(c).__name__}")
+        inner.append(c._inner)
+    return _core.held_bytes(inner)
 
 
 def _as_int(value: object, name: str) -> int:

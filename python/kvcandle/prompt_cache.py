@@ -19,7 +19,7 @@ from typing import Union
 
 from ._checks import check_int
 from ._ids import Ids, as_ids, common_prefix
-from .cache import KVCache
+from .cache import KVCache, held_bytes
 from .errors import CacheError, KVCandleError, KVCandleWarning
 from .model import Model
 
@@ -33,8 +33,9 @@ class PromptCache:
     Args:
         model: the model whose caches it holds.
         max_bytes: the most bytes of keys and values the entries may hold together
-            (each entry counted at its own ``nbytes``, though forks may share storage);
-            the least recently used entries are dropped to stay within it.
+            (their blocks, each counted once however many entries share it:
+            :func:`kvcandle.held_bytes`); the least recently used entries are dropped to
+            stay within it.
     """
 
     def __init__(self, model: Model, max_bytes: int) -> None:
@@ -55,8 +56,9 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values the entries hold (the sum of their ``nbytes``)."""
-        return sum(c.nbytes for c in self._entries.values())
+        """Bytes of keys and values the entries hold together (their blocks, shared
+        blocks counted once)."""
+        return held_bytes(self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -116,10 +118,8 @@ class PromptCache:
         self._entries.clear()
 
     def _evict(self) -> None:
-        total = self.nbytes
-        while self._entries and total > self._max_bytes:
-            _, dropped = self._entries.popitem(last=False)
-            total -= dropped.nbytes
+        while self._entries and self.nbytes > self._max_bytes:
+            self._entries.popitem(last=False)
 
     def _prefix(self) -> str:
         # the files of one model in a shared directory

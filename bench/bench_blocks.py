@@ -1,0 +1,151 @@
+"""The block cache's figures on the default model (float32), in one run.
+
+    python bench/bench_blocks.py [--threads N] [--rounds 5] [--against PYTHON]
+
+- fork plus first append at 4,096 positions (the fork copies at most one partly filled
+  block): median time;
+- 8 forks of a 2,000-token prompt, each extended by 64 tokens: the resident memory they
+  add, against the allowance of 8 x 64 positions plus one block per fork of keys and
+  values, and the bytes their blocks hold (``kvcandle.held_bytes``);
+- decode step time at 2,048 and 4,096 positions of context, float32 and float16 caches.
+  With ``--against PYTHON`` (the interpreter of another environment, such as one with
+  the kvcandle of an earlier commit installed) the same decode figures are taken there
+  too, the two taking turns in every round, and their ratio is printed: how the block
+  cache compares with the contiguous buffers it replaced, in the same run.
+
+Each decode measurement prefills the context once, then times ``--steps`` steps,
+cropping back after each, and keeps the median; rounds alternate the environments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CONTEXTS = (2048, 4096)
+DECODE = r"""
+import json, os, statistics, sys, time
+import numpy as np
+import kvcandle
+model = kvcandle.load()
+steps = int(sys.argv[1])
+out = {"version": kvcandle.__file__}
+rng = np.random.default_rng(0)
+for dtype in ("float32", "float16"):
+    for ctx in json.loads(sys.argv[2]):
+        cache = model.new_cache(dtype=dtype)
+        model.forward(rng.integers(0, 49152, ctx).tolist(), cache)
+        times = []
+        for i in range(steps):
+            t = time.perf_counter()
+            model.forward([int(i)], cache)
+            times.append(time.perf_counter() - t)
+            cache.trim(1)
+        out[f"{dtype} {ctx}"] = statistics.median(times)
+print(json.dumps(out))
+"""
+
+
+def cpu_features() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ["avx512f", "avx512_vnni", "avx2", "fma", "f16c", "amx_tile"]
+    return " ".join(f for f in wanted if f in flags)
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def forks(model, rounds: int) -> None:
+    import numpy as np
+
+    import kvcandle
+
+    rng = np.random.default_rng(1)
+    base = model.new_cache()
+    model.forward(rng.integers(0, 49152, 4095).tolist(), base)
+    per = base.bytes_per_token
+    fork_t, append_t, plain_t = [], [], []
+    for _ in range(rounds * 4):
+        t = time.perf_counter()
+        f = base.fork()
+        fork_t.append(time.perf_counter() - t)
+        model.forward([5], base)  # the original appends first: the fork's append copies a block
+        t = time.perf_counter()
+        model.forward([5], f)
+        append_t.append(time.perf_counter() - t)
+        del f
+        base.trim(1)
+        t = time.perf_counter()  # the same append on an unshared cache
+        model.forward([5], base)
+        plain_t.append(time.perf_counter() - t)
+        base.trim(1)
+    ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    print(f"at 4,095 positions: fork {ms(fork_t) * 1e3:.1f} us; the fork's first append after the original's "
+          f"(copies one block) {ms(append_t):.2f} ms; the same append without a fork {ms(plain_t):.2f} ms; "
+          f"fork + first append {ms(fork_t) + ms(append_t) - ms(plain_t):.2f} ms more than the append alone")
+
+    prompt = rng.integers(0, 49152, 2000).tolist()
+    base = model.new_cache()
+    model.forward(prompt, base)
+    gc.collect()
+    before = rss()
+    caches = [base.fork() for _ in range(8)]
+    for i, c in enumerate(caches):
+        model.forward(rng.integers(0, 49152, 64).tolist(), c)
+    gc.collect()
+    added = rss() - before
+    allowance = 8 * (64 + kvcandle.BLOCK_LEN) * per
+    held = kvcandle.held_bytes([base, *caches]) - base.held_bytes
+    print(f"8 forks of a 2,000-token prompt + 64 tokens each: resident memory +{added / 2**20:.1f} MiB "
+          f"(allowance 8 x (64 + {kvcandle.BLOCK_LEN}) positions = {allowance / 2**20:.1f} MiB; "
+          f"their new blocks hold {held / 2**20:.1f} MiB; without sharing 8 x 2,064 positions = {8 * 2064 * per / 2**20:.1f} MiB)")
+
+
+def decode(python: str, steps: int) -> dict:
+    out = subprocess.run([python, "-c", DECODE, str(steps), json.dumps(CONTEXTS)], check=True, capture_output=True, text=True, env=os.environ)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--against", default=None, help="another environment's python, measured in turns")
+    args = ap.parse_args()
+    os.environ["RAYON_NUM_THREADS"] = str(args.threads)
+    import kvcandle
+
+    print(f"CPU features: {cpu_features()}; {args.threads} thread(s); block of {kvcandle.BLOCK_LEN} positions")
+    forks(kvcandle.load(), args.rounds)
+    engines = {"this": sys.executable} | ({"against": args.against} if args.against else {})
+    results: dict[str, list[dict]] = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, python in engines.items():
+            results[name].append(decode(python, args.steps))
+    keys = [k for k in results["this"][0] if k != "version"]
+    for k in keys:
+        line = f"decode step, {k} positions: " + ", ".join(
+            f"{name} {statistics.median(r[k] for r in rs) * 1e3:.2f} ms" for name, rs in results.items()
+        )
+        if args.against:
+            ratio = statistics.median(a[k] / b[k] for a, b in zip(results["against"], results["this"]))
+            line += f" (this is {ratio:.3f}x as fast, median of per-round ratios)"
+        print(line)
+    for name, rs in results.items():
+        print(f"{name}: {rs[0]['version']}")
+
+
+if __name__ == "__main__":
+    main()
