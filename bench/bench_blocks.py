@@ -7,7 +7,8 @@
 - 8 forks of a 2,000-token prompt, each extended by 64 tokens: the resident memory they
   add, against the allowance of 8 x 64 positions plus one block per fork of keys and
   values, and the bytes their blocks hold (``kvcandle.held_bytes``);
-- decode step time at 2,048 and 4,096 positions of context, float32 and float16 caches.
+- decode step time at 2,048 and 4,096 positions of context, float32 and float16 caches,
+  and a 2,048-token prefill.
   With ``--against PYTHON`` (the interpreter of another environment, such as one with
   the kvcandle of an earlier commit installed) the same decode figures are taken there
   too, the two taking turns in every round, and their ratio is printed: how the block
@@ -20,7 +21,6 @@ cropping back after each, and keeps the median; rounds alternate the environment
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -41,13 +41,20 @@ for dtype in ("float32", "float16"):
     for ctx in json.loads(sys.argv[2]):
         cache = model.new_cache(dtype=dtype)
         model.forward(rng.integers(0, 49152, ctx).tolist(), cache)
+        model.forward([0], cache)  # warm up
+        cache.trim(1)
         times = []
         for i in range(steps):
             t = time.perf_counter()
             model.forward([int(i)], cache)
             times.append(time.perf_counter() - t)
             cache.trim(1)
-        out[f"{dtype} {ctx}"] = statistics.median(times)
+        out[f"decode, {dtype} cache, {ctx}"] = statistics.median(times)
+ids = rng.integers(0, 49152, 2048).tolist()
+model.forward(ids[:64])  # warm up
+t = time.perf_counter()
+model.forward(ids)
+out["prefill of 2,048 tokens"] = time.perf_counter() - t
 print(json.dumps(out))
 """
 
@@ -59,11 +66,6 @@ def cpu_features() -> str:
         return "unknown"
     wanted = ["avx512f", "avx512_vnni", "avx2", "fma", "f16c", "amx_tile"]
     return " ".join(f for f in wanted if f in flags)
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def forks(model, rounds: int) -> None:
@@ -95,21 +97,39 @@ def forks(model, rounds: int) -> None:
           f"(copies one block) {ms(append_t):.2f} ms; the same append without a fork {ms(plain_t):.2f} ms; "
           f"fork + first append {ms(fork_t) + ms(append_t) - ms(plain_t):.2f} ms more than the append alone")
 
-    prompt = rng.integers(0, 49152, 2000).tolist()
-    base = model.new_cache()
-    model.forward(prompt, base)
-    gc.collect()
-    before = rss()
-    caches = [base.fork() for _ in range(8)]
-    for i, c in enumerate(caches):
-        model.forward(rng.integers(0, 49152, 64).tolist(), c)
-    gc.collect()
-    added = rss() - before
-    allowance = 8 * (64 + kvcandle.BLOCK_LEN) * per
-    held = kvcandle.held_bytes([base, *caches]) - base.held_bytes
-    print(f"8 forks of a 2,000-token prompt + 64 tokens each: resident memory +{added / 2**20:.1f} MiB "
-          f"(allowance 8 x (64 + {kvcandle.BLOCK_LEN}) positions = {allowance / 2**20:.1f} MiB; "
-          f"their new blocks hold {held / 2**20:.1f} MiB; without sharing 8 x 2,064 positions = {8 * 2064 * per / 2**20:.1f} MiB)")
+
+
+FORKS = r"""
+import gc, json, os
+import numpy as np
+import kvcandle
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+model = kvcandle.load()
+rng = np.random.default_rng(2)
+base = model.new_cache()
+model.forward(rng.integers(0, 49152, 2000).tolist(), base)
+gc.collect()
+before = rss()
+caches = [base.fork() for _ in range(8)]
+for c in caches:
+    model.forward(rng.integers(0, 49152, 64).tolist(), c)
+gc.collect()
+print(json.dumps({"added": rss() - before, "held": kvcandle.held_bytes([base, *caches]) - base.held_bytes,
+                  "per": base.bytes_per_token, "block": kvcandle.BLOCK_LEN}))
+"""
+
+
+def fork_memory(python: str) -> None:
+    """8 forks of a 2,000-token prompt, each extended by 64 tokens, in a fresh process
+    (so no memory freed earlier is reused): the resident memory they add."""
+    out = subprocess.run([python, "-c", FORKS], check=True, capture_output=True, text=True, env=os.environ)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    allowance = 8 * (64 + r["block"]) * r["per"]
+    print(f"8 forks of a 2,000-token prompt + 64 tokens each: resident memory +{r['added'] / 2**20:.1f} MiB "
+          f"(allowance 8 x (64 + {r['block']}) positions = {allowance / 2**20:.1f} MiB; "
+          f"their new blocks hold {r['held'] / 2**20:.1f} MiB; unshared, 8 x 2,064 positions would be {8 * 2064 * r['per'] / 2**20:.1f} MiB)")
 
 
 def decode(python: str, steps: int) -> dict:
@@ -129,6 +149,7 @@ def main() -> None:
 
     print(f"CPU features: {cpu_features()}; {args.threads} thread(s); block of {kvcandle.BLOCK_LEN} positions")
     forks(kvcandle.load(), args.rounds)
+    fork_memory(sys.executable)
     engines = {"this": sys.executable} | ({"against": args.against} if args.against else {})
     results: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.rounds):
@@ -136,7 +157,7 @@ def main() -> None:
             results[name].append(decode(python, args.steps))
     keys = [k for k in results["this"][0] if k != "version"]
     for k in keys:
-        line = f"decode step, {k} positions: " + ", ".join(
+        line = f"{k}: " + ", ".join(
             f"{name} {statistics.median(r[k] for r in rs) * 1e3:.2f} ms" for name, rs in results.items()
         )
         if args.against:
