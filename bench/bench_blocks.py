@@ -68,39 +68,8 @@ def cpu_features() -> str:
     return " ".join(f for f in wanted if f in flags)
 
 
-def forks(model, rounds: int) -> None:
-    import numpy as np
-
-    import kvcandle
-
-    rng = np.random.default_rng(1)
-    base = model.new_cache()
-    model.forward(rng.integers(0, 49152, 4095).tolist(), base)
-    per = base.bytes_per_token
-    fork_t, append_t, plain_t = [], [], []
-    for _ in range(rounds * 4):
-        t = time.perf_counter()
-        f = base.fork()
-        fork_t.append(time.perf_counter() - t)
-        model.forward([5], base)  # the original appends first: the fork's append copies a block
-        t = time.perf_counter()
-        model.forward([5], f)
-        append_t.append(time.perf_counter() - t)
-        del f
-        base.trim(1)
-        t = time.perf_counter()  # the same append on an unshared cache
-        model.forward([5], base)
-        plain_t.append(time.perf_counter() - t)
-        base.trim(1)
-    ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
-    print(f"at 4,095 positions: fork {ms(fork_t) * 1e3:.1f} us; the fork's first append after the original's "
-          f"(copies one block) {ms(append_t):.2f} ms; the same append without a fork {ms(plain_t):.2f} ms; "
-          f"fork + first append {ms(fork_t) + ms(append_t) - ms(plain_t):.2f} ms more than the append alone")
-
-
-
 FORKS = r"""
-import gc, json, os
+import gc, json, os, statistics, sys, time
 import numpy as np
 import kvcandle
 def rss():
@@ -108,6 +77,9 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 model = kvcandle.load()
 rng = np.random.default_rng(2)
+out = {}
+# 8 forks of a 2,000-token prompt, each extended by 64 tokens, first in the process (so
+# no memory freed earlier is reused): the resident memory they add
 base = model.new_cache()
 model.forward(rng.integers(0, 49152, 2000).tolist(), base)
 gc.collect()
@@ -116,20 +88,45 @@ caches = [base.fork() for _ in range(8)]
 for c in caches:
     model.forward(rng.integers(0, 49152, 64).tolist(), c)
 gc.collect()
-print(json.dumps({"added": rss() - before, "held": kvcandle.held_bytes([base, *caches]) - base.held_bytes,
-                  "per": base.bytes_per_token, "block": kvcandle.BLOCK_LEN}))
+out["added"] = rss() - before
+out["per"] = base.bytes_per_token
+if hasattr(kvcandle, "held_bytes"):
+    out["held"] = kvcandle.held_bytes([base, *caches]) - base.held_bytes
+del caches, base
+# at 4,095 positions: a fork, the original appends, then the fork's first append (which
+# copies what it shares), against the same append without a fork
+base = model.new_cache()
+model.forward(rng.integers(0, 49152, 4095).tolist(), base)
+fork_t, append_t, plain_t = [], [], []
+for _ in range(int(sys.argv[1])):
+    t = time.perf_counter()
+    f = base.fork()
+    fork_t.append(time.perf_counter() - t)
+    model.forward([5], base)
+    t = time.perf_counter()
+    model.forward([5], f)
+    append_t.append(time.perf_counter() - t)
+    del f
+    base.trim(1)
+    t = time.perf_counter()
+    model.forward([5], base)
+    plain_t.append(time.perf_counter() - t)
+    base.trim(1)
+out["fork"], out["append"], out["plain"] = (statistics.median(x) for x in (fork_t, append_t, plain_t))
+print(json.dumps(out))
 """
 
 
-def fork_memory(python: str) -> None:
-    """8 forks of a 2,000-token prompt, each extended by 64 tokens, in a fresh process
-    (so no memory freed earlier is reused): the resident memory they add."""
-    out = subprocess.run([python, "-c", FORKS], check=True, capture_output=True, text=True, env=os.environ)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    allowance = 8 * (64 + r["block"]) * r["per"]
-    print(f"8 forks of a 2,000-token prompt + 64 tokens each: resident memory +{r['added'] / 2**20:.1f} MiB "
-          f"(allowance 8 x (64 + {r['block']}) positions = {allowance / 2**20:.1f} MiB; "
-          f"their new blocks hold {r['held'] / 2**20:.1f} MiB; unshared, 8 x 2,064 positions would be {8 * 2064 * r['per'] / 2**20:.1f} MiB)")
+def forks(engines: dict[str, str], rounds: int) -> None:
+    for name, python in engines.items():
+        run = subprocess.run([python, "-c", FORKS, str(rounds * 4)], check=True, capture_output=True, text=True, env=os.environ)
+        r = json.loads(run.stdout.strip().splitlines()[-1])
+        held = f"; their new blocks hold {r['held'] / 2**20:.1f} MiB" if "held" in r else ""
+        print(f"{name}: 8 forks of a 2,000-token prompt + 64 tokens each: resident memory +{r['added'] / 2**20:.1f} MiB{held} "
+              f"(8 x (64 + 64) positions = {8 * 128 * r['per'] / 2**20:.1f} MiB; 8 x 2,064 positions = {8 * 2064 * r['per'] / 2**20:.1f} MiB)")
+        print(f"{name}: at 4,095 positions: fork {r['fork'] * 1e6:.1f} us; the fork's first append after the original's "
+              f"{r['append'] * 1e3:.2f} ms; the same append without a fork {r['plain'] * 1e3:.2f} ms "
+              f"(fork + first append: {(r['fork'] + r['append'] - r['plain']) * 1e3:.2f} ms more than the append alone)")
 
 
 def decode(python: str, steps: int) -> dict:
@@ -148,9 +145,8 @@ def main() -> None:
     import kvcandle
 
     print(f"CPU features: {cpu_features()}; {args.threads} thread(s); block of {kvcandle.BLOCK_LEN} positions")
-    forks(kvcandle.load(), args.rounds)
-    fork_memory(sys.executable)
     engines = {"this": sys.executable} | ({"against": args.against} if args.against else {})
+    forks(engines, args.rounds)
     results: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, python in engines.items():

@@ -2326,6 +2326,7 @@ fn error_kind(e: &Error) -> &'static str {
         Error::Cache(_) => "Cache",
         Error::CacheFile { .. } => "CacheFile",
         Error::Engine(_) => "Engine",
+        Error::Sequence { inner, .. } => error_kind(inner),
     }
 }
 

@@ -37,6 +37,7 @@ fn error_class(e: &Error) -> &'static str {
         Error::Cache(_) => "CacheError",
         Error::CacheFile { .. } => "CacheFileError",
         Error::Engine(_) => "EngineError",
+        Error::Sequence { inner, .. } => error_class(inner),
     }
 }
 
@@ -269,6 +270,33 @@ impl Model {
         let model = &self.inner;
         let logits = py.detach(|| no_panic(|| model.forward(&ids, cache, all_logits))).py_err(py)?;
         to_numpy(py, logits)
+    }
+
+    /// Runs each sequence's ids after its cache's tokens in one call (decode rows in one
+    /// step); returns one float32 logits array per sequence.
+    fn forward_batch<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<Bound<'py, PyAny>>,
+        caches: Vec<Bound<'py, KVCache>>,
+        all_logits: bool,
+    ) -> PyResult<Vec<Bound<'py, PyUntypedArray>>> {
+        let vocab = self.inner.config().vocab_size;
+        let ids = ids
+            .iter()
+            .enumerate()
+            .map(|(b, ids)| id_list(ids, vocab).map_err(|e| PyErr::from_type(e.get_type(py), format!("sequence {b}: {}", e.value(py)))))
+            .collect::<PyResult<Vec<_>>>()?;
+        for (b, cache) in caches.iter().enumerate() {
+            if let Some(first) = caches[..b].iter().position(|c| c.is(cache)) {
+                return Err(to_py(py, Error::Cache(format!("sequence {b} has the same cache as sequence {first}: each sequence needs its own (fork one)"))));
+            }
+        }
+        let mut guards = caches.iter().map(write).collect::<PyResult<Vec<_>>>()?;
+        let mut inner: Vec<&mut KvCache> = guards.iter_mut().map(|g| &mut g.inner).collect();
+        let model = &self.inner;
+        let logits = py.detach(|| no_panic(|| model.forward_batch(&ids, &mut inner, all_logits))).py_err(py)?;
+        logits.into_iter().map(|t| to_numpy(py, t)).collect()
     }
 
     /// Checks, without running or changing anything, that `ids` as a whole sequence could

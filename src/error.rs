@@ -45,6 +45,18 @@ pub enum Error {
     /// An error inside candle while computing.
     #[error("engine error: {0}")]
     Engine(candle_core::Error),
+
+    /// One sequence of a batch refused: the error a single call would raise, naming the
+    /// sequence (its Python class is the inner error's).
+    #[error("sequence {index}: {inner}")]
+    Sequence { index: usize, inner: Box<Error> },
+}
+
+impl Error {
+    /// This error as sequence `index` of a batch raised it.
+    pub fn in_sequence(self, index: usize) -> Self {
+        Error::Sequence { index, inner: Box::new(self) }
+    }
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -309,6 +309,54 @@ impl Llama {
         Ok(if outputs.len() == 1 { outputs.pop().expect("one output") } else { Tensor::cat(&outputs, 0)? })
     }
 
+    /// Runs `ids[b]` after the tokens of `caches[b]` for every sequence b in one call and
+    /// returns each sequence's logits as [`Self::forward`] returns them. The sequences of
+    /// one token run together in one decode step (each weight matrix read once for all of
+    /// them; each sequence's logits bit-identical to a `forward` of it alone); longer
+    /// ones run as `forward` runs them. Every sequence is checked before any work (an
+    /// error names the sequence and is the one `forward` would raise); on error every
+    /// cache holds what it held before.
+    pub fn forward_batch(&self, ids: &[Vec<i64>], caches: &mut [&mut KvCache], all_logits: bool) -> Result<Vec<Tensor>> {
+        if ids.len() != caches.len() {
+            return Err(Error::Input(format!("{} sequences of ids for {} caches: one cache per sequence", ids.len(), caches.len())));
+        }
+        let checked = ids
+            .iter()
+            .zip(caches.iter())
+            .enumerate()
+            .map(|(b, (ids, cache))| self.check_input(ids, cache).map_err(|e| e.in_sequence(b)))
+            .collect::<Result<Vec<_>>>()?;
+        let starts: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        let result = self.run_batch(ids, &checked, caches, all_logits);
+        if result.is_err() {
+            for (cache, &start) in caches.iter_mut().zip(&starts) {
+                cache.crop(start as i64)?;
+            }
+        }
+        result
+    }
+
+    fn run_batch(&self, ids: &[Vec<i64>], checked: &[Vec<u32>], caches: &mut [&mut KvCache], all_logits: bool) -> Result<Vec<Tensor>> {
+        let vocab = self.config.vocab_size;
+        let single = |b: usize| self.decode && checked[b].len() == 1;
+        let mut out: Vec<Option<Tensor>> = vec![None; ids.len()];
+        let rows: Vec<usize> = (0..ids.len()).filter(|&b| single(b)).collect();
+        if !rows.is_empty() {
+            let tokens: Vec<u32> = rows.iter().map(|&b| checked[b][0]).collect();
+            let mut batch: Vec<&mut KvCache> = caches.iter_mut().enumerate().filter(|(b, _)| single(*b)).map(|(_, c)| &mut **c).collect();
+            for (&b, logits) in rows.iter().zip(self.decode_batch(&tokens, &mut batch)?) {
+                let shape: &[usize] = if all_logits { &[1, vocab] } else { &[vocab] };
+                out[b] = Some(Tensor::from_vec(logits, shape, &self.device)?);
+            }
+        }
+        for (b, cache) in caches.iter_mut().enumerate() {
+            if !single(b) {
+                out[b] = Some(self.forward(&ids[b], cache, all_logits).map_err(|e| e.in_sequence(b))?);
+            }
+        }
+        Ok(out.into_iter().map(|t| t.expect("every sequence ran")).collect())
+    }
+
     /// One chunk: appends it to the cache; returns its logits when asked for (all rows
     /// with `all_logits`, else only the last row of the last chunk).
     fn forward_chunk(&self, ids: &[u32], cache: &mut KvCache, all_logits: bool, last: bool) -> Result<Option<Tensor>> {

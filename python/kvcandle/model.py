@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence, Union
 
 import numpy as np
 
@@ -141,6 +141,45 @@ class Model:
         elif not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a kvcandle.KVCache, got {type(cache).__name__}")
         return self._inner.forward(as_ids(ids), cache._inner, bool(all_logits))
+
+    def forward_batch(self, ids: Sequence[Ids], caches: Sequence[KVCache], *, all_logits: bool = False) -> list[np.ndarray]:
+        """Runs ``ids[b]`` after the tokens ``caches[b]`` holds, for every sequence b, in
+        one call; each sequence's logits as :meth:`forward` returns them.
+
+        The sequences of one token (decode rows) run together in one step: every weight
+        matrix is read once for all of them, and each sequence's logits are bit-identical
+        to a :meth:`forward` of it alone, whatever else is in the batch. Sequences of
+        several tokens (prefill chunks) run as :meth:`forward` runs them. Caches may be
+        forks of one prompt (they share its blocks) and of any lengths.
+
+        Every sequence is checked before any work; a refused call raises the error
+        :meth:`forward` would raise, its message starting ``sequence b:``, and leaves every
+        cache as it was.
+
+        Raises:
+            TypeError, InputError, TokenIdError, PositionError, CacheError: as
+                :meth:`forward`, for the sequence named; ``InputError`` when ``ids`` and
+                ``caches`` differ in length or are empty; ``CacheError`` when one cache
+                is given for two sequences.
+        """
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise TypeError(f"ids must be a sequence of token id sequences, got {type(ids).__name__}")
+        if not isinstance(caches, Sequence):
+            raise TypeError(f"caches must be a sequence of kvcandle.KVCache, got {type(caches).__name__}")
+        if len(ids) != len(caches) or not ids:
+            raise InputError(f"ids and caches must be non-empty and of one length: got {len(ids)} sequences of ids and {len(caches)} caches")
+        inner = []
+        for b, cache in enumerate(caches):
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"caches[{b}] must be a kvcandle.KVCache, got {type(cache).__name__}")
+            inner.append(cache._inner)
+        checked = []
+        for b, seq in enumerate(ids):
+            try:
+                checked.append(as_ids(seq))
+            except TypeError as e:
+                raise TypeError(f"sequence {b}: {e}") from None
+        return self._inner.forward_batch(checked, inner, bool(all_logits))
 
     def check_sequence(self, ids: Ids, cache: KVCache) -> None:
         """Checks, without running or changing anything, that ``cache`` could hold ``ids``

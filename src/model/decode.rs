@@ -1,12 +1,14 @@
 //! kvcandle's own single-token step (a decode step), for float32 weights or GGUF blocks
-//! in CPU memory.
+//! in CPU memory, for one sequence or several at once (each with its own cache).
 //!
 //! No candle tensor is made inside a step: the hidden state lives in a few vectors, the
 //! weights are read in place ([`Linear::view`]), and each matrix-vector product is one job
 //! for the process's [`Team`] (q/k/v stacked in one matrix, gate/up in another, with
 //! `silu(gate) * up` done by the job that computed them; the residual added by the job
 //! that computed the output rows). Small serial work between jobs (norms, RoPE, writing
-//! the cache) runs on the caller. Five jobs per layer, plus the attention's.
+//! the cache) runs on the caller. Five jobs per layer, plus the attention's. With several
+//! sequences, a job's task multiplies its rows with every sequence's input in turn, so
+//! the rows are read from memory once and from the core's cache after that.
 
 use super::*;
 use crate::linear::{Input, View};
@@ -19,41 +21,73 @@ impl Llama {
     /// Runs one token at the cache's next position, appends its keys and values and
     /// returns the logits. The cache's length changes only if every step succeeded.
     pub(super) fn decode_one(&self, id: u32, cache: &mut KvCache) -> Result<Vec<f32>> {
+        Ok(self.decode_batch(&[id], &mut [cache])?.pop().expect("one sequence"))
+    }
+
+    /// Runs token `ids[b]` at the next position of `caches[b]` for every sequence b in
+    /// one step: each weight matrix is read once per step for all of them (a task's rows
+    /// stay in the core's cache while every sequence's input is multiplied with them),
+    /// attention runs per sequence over its own cache. Each sequence's arithmetic is
+    /// exactly what it is alone (the same kernels on the same row ranges), so its logits
+    /// do not depend on the batch. A cache's length changes only if every step succeeded.
+    pub(super) fn decode_batch(&self, ids: &[u32], caches: &mut [&mut KvCache]) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let (heads, kv_heads, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let team = Team::global();
-        cache.reserve(1)?;
-        let pos = cache.len();
-        let mut x = self.embed_one(id)?;
-        let mut xn = vec![0f32; c.hidden_size];
-        let mut qkv = vec![0f32; (heads + 2 * kv_heads) * d];
-        let mut h = vec![0f32; c.intermediate_size];
-        for (i, layer) in self.layers.iter().enumerate() {
-            layer.input_layernorm.apply(&x, &mut xn);
-            let qkv_proj = &layer.attn.qkv;
-            products(team, &view(qkv_proj)?, &qkv_proj.prepare(&xn), &mut qkv, false);
-            let (q, kv) = qkv.split_at_mut(heads * d);
-            let (k, v) = kv.split_at_mut(kv_heads * d);
-            self.rope.rotate(q, pos);
-            self.rope.rotate(k, pos);
-            cache.write_one(i, k, v)?;
-            let y = cache
-                .attend_one(i, q, pos + 1)?
-                .ok_or_else(|| Error::Cache("the single-token step needs a float32 or float16 cache in CPU memory".into()))?;
-            let o = &layer.attn.o_proj;
-            products(team, &view(o)?, &o.prepare(&y), &mut x, true);
-            layer.post_attention_layernorm.apply(&x, &mut xn);
-            let gate_up = &layer.mlp.gate_up;
-            gated(team, &view(gate_up)?, &gate_up.prepare(&xn), &mut h);
-            let down = &layer.mlp.down_proj;
-            products(team, &view(down)?, &down.prepare(&h), &mut x, true);
+        for cache in caches.iter_mut() {
+            cache.reserve(1)?;
         }
-        self.norm.apply(&x, &mut xn);
-        let mut logits = vec![0f32; c.vocab_size];
-        products(team, &view(&self.lm_head)?, &self.lm_head.prepare(&xn), &mut logits, false);
-        cache.commit(&[id]);
+        let positions: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        let batch = ids.len();
+        let mut x = ids.iter().map(|&id| self.embed_one(id)).collect::<Result<Vec<_>>>()?;
+        let mut xn = vec![vec![0f32; c.hidden_size]; batch];
+        let mut qkv = vec![vec![0f32; (heads + 2 * kv_heads) * d]; batch];
+        let mut h = vec![vec![0f32; c.intermediate_size]; batch];
+        let mut y = Vec::with_capacity(batch);
+        for (i, layer) in self.layers.iter().enumerate() {
+            for (x, xn) in x.iter().zip(xn.iter_mut()) {
+                layer.input_layernorm.apply(x, xn);
+            }
+            let qkv_proj = &layer.attn.qkv;
+            products(team, &view(qkv_proj)?, &prepared(qkv_proj, &xn), &mut qkv, false);
+            y.clear();
+            for (b, cache) in caches.iter().enumerate() {
+                let (q, kv) = qkv[b].split_at_mut(heads * d);
+                let (k, v) = kv.split_at_mut(kv_heads * d);
+                self.rope.rotate(q, positions[b]);
+                self.rope.rotate(k, positions[b]);
+                cache.write_one(i, k, v)?;
+                y.push(
+                    cache
+                        .attend_one(i, q, positions[b] + 1)?
+                        .ok_or_else(|| Error::Cache("the single-token step needs a float32 or float16 cache in CPU memory".into()))?,
+                );
+            }
+            let o = &layer.attn.o_proj;
+            products(team, &view(o)?, &prepared(o, &y), &mut x, true);
+            for (x, xn) in x.iter().zip(xn.iter_mut()) {
+                layer.post_attention_layernorm.apply(x, xn);
+            }
+            let gate_up = &layer.mlp.gate_up;
+            gated(team, &view(gate_up)?, &prepared(gate_up, &xn), &mut h);
+            let down = &layer.mlp.down_proj;
+            products(team, &view(down)?, &prepared(down, &h), &mut x, true);
+        }
+        for (x, xn) in x.iter().zip(xn.iter_mut()) {
+            self.norm.apply(x, xn);
+        }
+        let mut logits = vec![vec![0f32; c.vocab_size]; batch];
+        products(team, &view(&self.lm_head)?, &prepared(&self.lm_head, &xn), &mut logits, false);
+        for (cache, &id) in caches.iter_mut().zip(ids) {
+            cache.commit(&[id]);
+        }
         Ok(logits)
     }
+}
+
+/// Each sequence's input prepared for `l` (int8 activations where its rows are blocks).
+fn prepared<'x>(l: &Linear, xs: &'x [Vec<f32>]) -> Vec<Input<'x>> {
+    xs.iter().map(|x| l.prepare(x)).collect()
 }
 
 fn view(l: &Linear) -> Result<View<'_>> {
@@ -66,44 +100,49 @@ fn rows_per_task(rows: usize, threads: usize) -> usize {
     (rows / (threads * 8)).next_multiple_of(4).clamp(16, MAX_ROWS_PER_TASK)
 }
 
-/// `out = W x` (or `out += W x` with `add`), rows split over the team.
-fn products(team: &Team, w: &View<'_>, input: &Input<'_>, out: &mut [f32], add: bool) {
+/// `out[b] = W x[b]` (or `out[b] += W x[b]` with `add`) for every sequence b, rows split
+/// over the team; a task multiplies its rows with every input in turn.
+fn products(team: &Team, w: &View<'_>, inputs: &[Input<'_>], outs: &mut [Vec<f32>], add: bool) {
     let n = w.out_features();
-    debug_assert_eq!(out.len(), n);
+    debug_assert!(outs.iter().all(|o| o.len() == n));
     let per = rows_per_task(n, team.threads());
-    let shards = Shards::new(out);
+    let shards: Vec<Shards<'_, f32>> = outs.iter_mut().map(|o| Shards::new(o)).collect();
     team.run(n.div_ceil(per), &|t| {
         let rows = t * per..((t + 1) * per).min(n);
-        // SAFETY: tasks cover disjoint row ranges
-        let out = unsafe { shards.part(rows.clone()) };
-        if add {
-            let mut part = [0f32; MAX_ROWS_PER_TASK];
-            let part = &mut part[..rows.len()];
-            w.mul_rows(input, rows.start, part);
-            out.iter_mut().zip(part.iter()).for_each(|(o, p)| *o += p);
-        } else {
-            w.mul_rows(input, rows.start, out);
+        for (input, shards) in inputs.iter().zip(&shards) {
+            // SAFETY: tasks cover disjoint row ranges
+            let out = unsafe { shards.part(rows.clone()) };
+            if add {
+                let mut part = [0f32; MAX_ROWS_PER_TASK];
+                let part = &mut part[..rows.len()];
+                w.mul_rows(input, rows.start, part);
+                out.iter_mut().zip(part.iter()).for_each(|(o, p)| *o += p);
+            } else {
+                w.mul_rows(input, rows.start, out);
+            }
         }
     });
 }
 
-/// `h = silu(gate x) * (up x)` for the stacked gate/up matrix: each task computes the
-/// same rows of both halves and combines them.
-fn gated(team: &Team, w: &View<'_>, input: &Input<'_>, h: &mut [f32]) {
-    let n = h.len();
-    debug_assert_eq!(w.out_features(), 2 * n);
+/// `h[b] = silu(gate x[b]) * (up x[b])` for the stacked gate/up matrix: each task computes
+/// the same rows of both halves for every input and combines them.
+fn gated(team: &Team, w: &View<'_>, inputs: &[Input<'_>], hs: &mut [Vec<f32>]) {
+    let n = w.out_features() / 2;
+    debug_assert!(hs.iter().all(|h| h.len() == n));
     let per = rows_per_task(n, team.threads());
-    let shards = Shards::new(h);
+    let shards: Vec<Shards<'_, f32>> = hs.iter_mut().map(|h| Shards::new(h)).collect();
     team.run(n.div_ceil(per), &|t| {
         let rows = t * per..((t + 1) * per).min(n);
-        let (mut gate, mut up) = ([0f32; MAX_ROWS_PER_TASK], [0f32; MAX_ROWS_PER_TASK]);
-        let (gate, up) = (&mut gate[..rows.len()], &mut up[..rows.len()]);
-        w.mul_rows(input, rows.start, gate);
-        w.mul_rows(input, n + rows.start, up);
-        // SAFETY: tasks cover disjoint row ranges
-        let out = unsafe { shards.part(rows) };
-        for ((o, g), u) in out.iter_mut().zip(gate.iter()).zip(up.iter()) {
-            *o = g / (1.0 + (-g).exp()) * u;
+        for (input, shards) in inputs.iter().zip(&shards) {
+            let (mut gate, mut up) = ([0f32; MAX_ROWS_PER_TASK], [0f32; MAX_ROWS_PER_TASK]);
+            let (gate, up) = (&mut gate[..rows.len()], &mut up[..rows.len()]);
+            w.mul_rows(input, rows.start, gate);
+            w.mul_rows(input, n + rows.start, up);
+            // SAFETY: tasks cover disjoint row ranges
+            let out = unsafe { shards.part(rows.clone()) };
+            for ((o, g), u) in out.iter_mut().zip(gate.iter()).zip(up.iter()) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
         }
     });
 }

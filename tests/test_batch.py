@@ -1,0 +1,120 @@
+"""``model.forward_batch``: several sequences, each with its own cache, in one call. Decode
+rows run in one step and must give, bit for bit, what each sequence gives alone with
+``forward`` whatever else is in the batch; prefill chunks run as ``forward`` runs them;
+a refused call names the sequence and changes no cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcandle
+from builders import Shape, quantized_weights, write_gguf
+
+
+def alone(model, prompt, step, dtype=None):
+    """The logits of `step` after `prompt`, run alone on a fresh cache."""
+    cache = model.new_cache(dtype=dtype)
+    if prompt:
+        model.forward(prompt, cache)
+    return model.forward(step, cache)
+
+
+def check_batch_equals_alone(model, prompts, steps, dtype=None):
+    caches = []
+    for p in prompts:
+        c = model.new_cache(dtype=dtype)
+        if p:
+            model.forward(p, c)
+        caches.append(c)
+    got = model.forward_batch(steps, caches)
+    assert len(got) == len(prompts)
+    for b, (p, s) in enumerate(zip(prompts, steps)):
+        assert np.array_equal(got[b], alone(model, p, s, dtype)), f"sequence {b}"
+        assert caches[b].tokens == p + s
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha_tied"])
+def test_decode_rows_are_bit_identical_to_running_alone(tiny_models, name):
+    model = tiny_models[name]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 101, n).tolist() for n in (0, 1, 7, 30, 12, 5, 40, 3)]
+    for batch in (1, 2, 3, 8):
+        steps = [[int(t)] for t in rng.integers(0, 101, batch)]
+        check_batch_equals_alone(model, prompts[:batch], steps)
+    # with a float16 cache too
+    check_batch_equals_alone(model, prompts[:4], [[1], [2], [3], [4]], dtype="float16")
+
+
+def test_quantized_decode_rows_are_bit_identical(tmp_path):
+    shape = Shape("q", vocab=101, hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2, max_pos=256)
+    floats, blocks = quantized_weights(shape, "Q4_K", seed=2)
+    model = kvcandle.load(write_gguf(tmp_path / "q.gguf", shape, weights=floats, blocks=blocks), quantized=True)
+    assert model.quantized
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 101, n).tolist() for n in (9, 0, 70, 2)]
+    check_batch_equals_alone(model, prompts, [[5], [6], [7], [8]])
+
+
+def test_forks_of_one_prompt_decode_together(default_model):
+    # the default model: 8 forks of a 150-token prompt, each fed its own token, over steps
+    model = default_model
+    prompt = model.tokenizer.encode("The capital of France is Paris. " * 20)[:150]
+    base = model.new_cache()
+    model.forward(prompt, base)
+    forks = [base.fork() for _ in range(8)]
+    alone_caches = [base.fork() for _ in range(8)]
+    tokens = [[100 + b] for b in range(8)]
+    for _ in range(3):
+        got = model.forward_batch(tokens, forks)
+        want = [model.forward(t, c) for t, c in zip(tokens, alone_caches)]
+        for b in range(8):
+            assert np.array_equal(got[b], want[b]), f"sequence {b}"
+        tokens = [[int(g.argmax())] for g in got]
+    assert all(f.tokens == a.tokens for f, a in zip(forks, alone_caches))
+
+
+def test_decode_rows_and_prefill_chunks_in_one_call(tiny):
+    caches = [tiny.new_cache() for _ in range(3)]
+    tiny.forward([1, 2, 3], caches[0])
+    tiny.forward([4], caches[2])
+    got = tiny.forward_batch([[5], [6, 7, 8, 9], [10, 11]], caches, all_logits=True)
+    assert [g.shape for g in got] == [(1, 101), (4, 101), (2, 101)]
+    want = [
+        tiny.forward([5], _with(tiny, [1, 2, 3]), all_logits=True),
+        tiny.forward([6, 7, 8, 9], tiny.new_cache(), all_logits=True),
+        tiny.forward([10, 11], _with(tiny, [4]), all_logits=True),
+    ]
+    for b in range(3):
+        assert np.array_equal(got[b], want[b]), f"sequence {b}"
+
+
+def _with(model, ids):
+    cache = model.new_cache()
+    model.forward(ids, cache)
+    return cache
+
+
+def test_refused_batches_name_the_sequence_and_change_nothing(tiny_models):
+    model, other = tiny_models["gqa"], tiny_models["mha_tied"]
+    caches = [model.new_cache() for _ in range(3)]
+    for i, c in enumerate(caches):
+        model.forward([i + 1] * (i + 1), c)
+    before = [c.tokens for c in caches]
+    cases = [
+        ([[1], [2], [101]], caches, kvcandle.TokenIdError, r"sequence 2: token id 101 at index 0"),
+        ([[1], [-1], [3]], caches, kvcandle.TokenIdError, r"sequence 1: token id -1"),
+        ([[1], [2], [1] * 62], caches, kvcandle.PositionError, r"sequence 2: cannot run 62 token"),
+        ([[1], [], [3]], caches, kvcandle.InputError, r"sequence 1: ids is empty"),
+        ([[1], [2], [3]], [caches[0], caches[1], caches[0]], kvcandle.CacheError, r"sequence 2 has the same cache as sequence 0"),
+        ([[1], [2], [3]], [caches[0], caches[1], other.new_cache()], kvcandle.CacheError, r"sequence 2: this cache was made by another model"),
+        ([[1], [2]], caches, kvcandle.InputError, r"2 sequences of ids and 3 caches"),
+        ([], [], kvcandle.InputError, r"non-empty"),
+        ([[1], ["x"], [3]], caches, TypeError, r"sequence 1"),
+    ]
+    for ids, cs, error, message in cases:
+        with pytest.raises(error, match=message):
+            model.forward_batch(ids, cs)
+        assert [c.tokens for c in caches] == before, message
+    with pytest.raises(TypeError, match=r"caches\[1\]"):
+        model.forward_batch([[1], [2]], [caches[0], "cache"])
