@@ -118,3 +118,35 @@ def test_refused_batches_name_the_sequence_and_change_nothing(tiny_models):
         assert [c.tokens for c in caches] == before, message
     with pytest.raises(TypeError, match=r"caches\[1\]"):
         model.forward_batch([[1], [2]], [caches[0], "cache"])
+
+
+def test_generate_n_equals_each_generation_alone(default_model):
+    # the prompt runs once; continuation i is what generate(seed=seed + i) gives alone,
+    # bit for bit, so their texts, tokens and finish reasons are the same
+    model = default_model
+    prompt = "Once upon a time, a llama"
+    settings = dict(max_tokens=12, temperature=0.9, top_p=0.95, seed=5, stop=[" the end"])
+    many = kvcandle.generate(model, prompt, n=3, **settings)
+    assert len(many) == 3
+    for i, r in enumerate(many):
+        one = kvcandle.generate(model, prompt, **{**settings, "seed": 5 + i})
+        assert (r.text, r.tokens, r.finish_reason) == (one.text, one.tokens, one.finish_reason), i
+        fed = r.tokens if r.finish_reason == "eos" else r.tokens[:-1]  # every token but the last is in the cache
+        assert r.cache is not None and r.cache.tokens == model.tokenizer.encode(prompt) + fed
+        assert r.stats.prompt_tokens == one.stats.prompt_tokens and r.stats.generated_tokens == len(r.tokens)
+    assert len({tuple(r.tokens) for r in many}) > 1  # different seeds, different stories
+    greedy = kvcandle.generate(model, "The capital of France is", max_tokens=8, n=2)
+    alone = kvcandle.generate(model, "The capital of France is", max_tokens=8)
+    assert [r.text for r in greedy] == [alone.text] * 2
+
+
+def test_generate_n_keeps_the_given_cache_at_the_prompt(default_model):
+    model = default_model
+    cache = model.new_cache()
+    ids = model.tokenizer.encode("The capital of France is")
+    results = kvcandle.generate(model, ids, n=2, max_tokens=3, cache=cache)
+    assert cache.tokens == ids and all(r.cache.tokens[: len(ids)] == ids for r in results)
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises((kvcandle.InputError, TypeError), match="n"):
+            kvcandle.generate(model, ids, n=bad, cache=cache)
+    assert cache.tokens == ids

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Generator, Iterator, Optional, Sequence, Union
+from typing import Generator, Iterator, Optional, Sequence, Union, overload
 
 import numpy as np
 
@@ -43,6 +43,14 @@ class Stats:
     """The forwards and samplings of every later token (never the caller's time between
     tokens)."""
 
+    def count(self, seconds: float) -> None:
+        """A token generated in ``seconds`` (the first counts as the prefill's)."""
+        if self.generated_tokens == 0:
+            self.prefill_seconds += seconds
+        else:
+            self.decode_seconds += seconds
+        self.generated_tokens += 1
+
     @property
     def prefill_tps(self) -> float:
         return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
@@ -60,6 +68,9 @@ class GenerationResult:
     finish_reason: str
     """"eos", "stop" (a stop string), "length" (max_tokens) or "context" (cache full)."""
     stats: Stats = field(default_factory=Stats)
+    cache: Optional[KVCache] = None
+    """With ``generate(..., n=...)``: the cache of this continuation (a fork of the
+    prompt's: the prompt and every generated token but the last)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -145,13 +156,9 @@ def generate_step(
         InputError: a bad sampling setting (see :func:`kvcandle.sampling.check_settings`),
             raised on the first ``next()`` before the cache is touched.
     """
-    temperature, top_k, top_p, repetition_penalty, seed = check_settings(
-        temperature, top_k, top_p, repetition_penalty, seed
-    )
+    sampler = _Sampler(check_settings(temperature, top_k, top_p, repetition_penalty, seed), prompt_ids)
     stats = stats if stats is not None else Stats()
-    rng = np.random.default_rng(seed)
     ids = list(prompt_ids)
-    history = list(ids)
     # Only the work done here is timed, never the caller's time between tokens: the
     # prefill and the first sample are the time to the first token, each later forward
     # plus its sample one decode step.
@@ -164,19 +171,102 @@ def generate_step(
     stats.reused_tokens = synced.kept
     logits = synced.logits
     while True:
-        if repetition_penalty is not None:
-            logits = apply_repetition_penalty(logits, history, repetition_penalty)
-        token = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
-        elapsed = time.perf_counter() - clock
-        if stats.generated_tokens == 0:
-            stats.prefill_seconds += elapsed
-        else:
-            stats.decode_seconds += elapsed
-        stats.generated_tokens += 1
+        token = sampler(logits)
+        stats.count(time.perf_counter() - clock)
         yield token
-        history.append(token)
         clock = time.perf_counter()
         logits = model.forward([token], cache)
+
+
+class _Sampler:
+    """One sequence's sampling: its checked settings, its random stream (from ``seed``)
+    and the ids so far (for the repetition penalty)."""
+
+    def __init__(self, settings: tuple, history: Sequence[int]) -> None:
+        self.temperature, self.top_k, self.top_p, self.penalty, seed = settings
+        self.rng = np.random.default_rng(seed)
+        self.history = list(history)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        if self.penalty is not None:
+            logits = apply_repetition_penalty(logits, self.history, self.penalty)
+        token = sample(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, rng=self.rng)
+        self.history.append(token)
+        return token
+
+
+class _Text:
+    """One sequence's text as its tokens arrive: decoded by a streaming decoder (each id
+    costs the same however long the text already is, a character split across ids comes
+    out once complete), text that may begin a stop string held back, and the reasons to
+    finish (EOS, a stop string, ``max_tokens``, a full cache)."""
+
+    def __init__(self, model: Model, stops: list[str], max_tokens: int) -> None:
+        tok = model.tokenizer
+        assert tok is not None
+        self.eos = set(tok.eos_token_ids) | set(model.config.eos_token_ids)
+        self.stops = stops
+        self.max_tokens = max_tokens
+        self.decoder = tok.decode_stream()
+        self.pending: list[int] = []  # ids generated since the last piece
+        self.held = ""  # decoded text not given out yet: it may be the start of a stop string
+        self.generated = 0
+
+    def add(self, token: int, cache: KVCache) -> tuple[Optional[Piece], Optional[str]]:
+        """Takes the next token: the piece of text it lets out (if any), and the finish
+        reason if generation ends with it."""
+        if token in self.eos:
+            return None, "eos"
+        self.generated += 1
+        self.pending.append(token)
+        self.held += self.decoder.add(token)
+        held, stops = self.held, self.stops
+        hit = min((i for i in (held.find(s) for s in stops) if i >= 0), default=-1)
+        if hit >= 0:
+            before = Piece(held[:hit], self.pending)
+            self.pending, self.held = [], ""
+            return before, "stop"
+        safe = len(held)
+        for s in stops:  # hold back a suffix that may grow into a stop string
+            for n in range(min(len(s) - 1, safe), 0, -1):
+                if held[:safe].endswith(s[:n]):
+                    safe -= n
+                    break
+        piece: Optional[Piece] = None
+        if safe > 0:
+            piece = Piece(held[:safe], self.pending)
+            self.pending, self.held = [], held[safe:]
+        if self.generated >= self.max_tokens:
+            return piece, "length"
+        if len(cache) + 1 > cache.max_length:
+            return piece, "context"
+        return piece, None
+
+    def last(self, reason: str) -> Piece:
+        """The last piece (an incomplete UTF-8 sequence cut by ``max_tokens`` never left
+        the decoder), carrying the finish reason."""
+        return Piece(self.held, self.pending, reason)
+
+
+def _prepare(
+    model: Model, prompt: Prompt, max_tokens: object, stop: object, cache: Optional[KVCache], prompt_cache: Optional["PromptCache"]
+) -> tuple[list[int], list[str], int, KVCache]:
+    """What every generation checks before anything runs; returns the prompt's ids, the
+    stop strings, ``max_tokens`` and the cache to start from (the given one, the longest
+    prefix ``prompt_cache`` holds, or a new one)."""
+    if model.tokenizer is None:
+        raise InputError(f"{model.path} has no tokenizer, so text cannot be streamed")
+    max_tokens = _max_tokens(max_tokens)
+    stops = _stop_strings(stop)
+    ids = encode_prompt(model, prompt)
+    if prompt_cache is not None and not isinstance(prompt_cache, PromptCache):
+        raise TypeError(f"prompt_cache must be a kvcandle.PromptCache, got {type(prompt_cache).__name__}")
+    if prompt_cache is not None and prompt_cache.model is not model:
+        raise InputError("prompt_cache holds another model's caches")
+    if cache is None:
+        # the longest prefix any entry shares, or an empty cache
+        cache = prompt_cache.lookup(ids) if prompt_cache is not None else model.new_cache()
+    return ids, stops, max_tokens, cache
 
 
 def stream_generate(
@@ -205,66 +295,39 @@ def stream_generate(
             cache is touched. The message names the setting and its value.
         TypeError: the prompt is neither a str nor token ids.
     """
-    if model.tokenizer is None:
-        raise InputError(f"{model.path} has no tokenizer, so text cannot be streamed")
-    max_tokens = _max_tokens(max_tokens)
-    stops = _stop_strings(stop)
-    tok = model.tokenizer
-    ids = encode_prompt(model, prompt)
-    if prompt_cache is not None and not isinstance(prompt_cache, PromptCache):
-        raise TypeError(f"prompt_cache must be a kvcandle.PromptCache, got {type(prompt_cache).__name__}")
-    if prompt_cache is not None and prompt_cache.model is not model:
-        raise InputError("prompt_cache holds another model's caches")
-    if cache is None:
-        # the longest prefix any entry shares, or an empty cache
-        cache = prompt_cache.lookup(ids) if prompt_cache is not None else model.new_cache()
+    ids, stops, max_tokens, cache = _prepare(model, prompt, max_tokens, stop, cache, prompt_cache)
     stats = stats if stats is not None else Stats()
-    eos = set(tok.eos_token_ids) | set(model.config.eos_token_ids)
-    pending: list[int] = []  # ids generated since the last piece
-    held = ""  # decoded text not yielded yet: it may be the start of a stop string
-    # text arrives from a streaming decoder: each id costs the same however long the
-    # text already is, and a character split across ids comes out once it is complete
-    decoder = tok.decode_stream()
+    text = _Text(model, stops, max_tokens)
     steps = generate_step(
         model, ids, cache, temperature=temperature, top_k=top_k, top_p=top_p,
         repetition_penalty=repetition_penalty, seed=seed, stats=stats,
     )
     reason = "length"
-    generated = 0
     for token in steps:
-        if token in eos:
-            reason = "eos"
-            break
-        generated += 1
-        pending.append(token)
-        held += decoder.add(token)
-        hit = min((i for i in (held.find(s) for s in stops) if i >= 0), default=-1)
-        if hit >= 0:
-            yield Piece(held[:hit], pending)
-            pending, held = [], ""
-            reason = "stop"
-            break
-        safe = len(held)
-        for s in stops:  # hold back a suffix that may grow into a stop string
-            for n in range(min(len(s) - 1, safe), 0, -1):
-                if held[:safe].endswith(s[:n]):
-                    safe -= n
-                    break
-        if safe > 0:
-            yield Piece(held[:safe], pending)
-            pending, held = [], held[safe:]
-        if generated >= max_tokens:
-            break
-        if len(cache) + 1 > cache.max_length:
-            reason = "context"
+        piece, done = text.add(token, cache)
+        if piece is not None:
+            yield piece
+        if done is not None:
+            reason = done
             break
     steps.close()
     if prompt_cache is not None:
         prompt_cache.insert(cache)
-    # an incomplete UTF-8 sequence at the very end (cut by max_tokens) never left the decoder
-    yield Piece(held, pending, reason)
+    yield text.last(reason)
 
 
+@overload
+def generate(
+    model: Model, prompt: Prompt, *, max_tokens: int = ..., cache: Optional[KVCache] = ..., temperature: float = ...,
+    top_k: Optional[int] = ..., top_p: Optional[float] = ..., repetition_penalty: Optional[float] = ..., seed: Optional[int] = ...,
+    stop: Union[str, Sequence[str], None] = ..., prompt_cache: Optional["PromptCache"] = ..., n: None = ...,
+) -> GenerationResult: ...
+@overload
+def generate(
+    model: Model, prompt: Prompt, *, max_tokens: int = ..., cache: Optional[KVCache] = ..., temperature: float = ...,
+    top_k: Optional[int] = ..., top_p: Optional[float] = ..., repetition_penalty: Optional[float] = ..., seed: Optional[int] = ...,
+    stop: Union[str, Sequence[str], None] = ..., prompt_cache: Optional["PromptCache"] = ..., n: int,
+) -> list[GenerationResult]: ...
 def generate(
     model: Model,
     prompt: Prompt,
@@ -278,7 +341,8 @@ def generate(
     seed: Optional[int] = None,
     stop: Union[str, Sequence[str], None] = None,
     prompt_cache: Optional["PromptCache"] = None,
-) -> GenerationResult:
+    n: Optional[int] = None,
+) -> Union[GenerationResult, list[GenerationResult]]:
     """Generates a continuation of ``prompt`` (a str or token ids).
 
     Args:
@@ -293,15 +357,26 @@ def generate(
         temperature: 0 is greedy; otherwise sampling, reproducible with ``seed``.
         top_k, top_p, repetition_penalty: sampling filters.
         stop: strings that end generation; the text ends before the first one.
+        n: generate this many continuations of the prompt, returned as a list: the
+            prompt runs once, then ``n`` forks of its cache (sharing its blocks) decode
+            together, one step for all (:meth:`kvcandle.Model.forward_batch`).
+            Continuation ``i`` samples with seed ``seed + i`` and is exactly what
+            ``generate(..., seed=seed + i)`` gives alone (greedy: all the same). The
+            given cache (or the prompt cache's) keeps the prompt; each result's
+            ``cache`` holds its own continuation.
 
     Returns:
-        The text, the generated token ids, the finish reason and timings.
+        The text, the generated token ids, the finish reason and timings (a list of
+        ``n`` of them with ``n``).
 
     Raises:
         InputError: as :func:`stream_generate` (no tokenizer, empty prompt, a bad
-            setting); a refused call leaves ``cache`` as it was.
+            setting, ``n`` not a positive int); a refused call leaves ``cache`` as it was.
         TypeError: the prompt is neither a str nor token ids.
     """
+    if n is not None:
+        n = check_int("n", n, minimum=1, rule="a positive int")
+        return _generate_n(model, prompt, n, max_tokens, cache, (temperature, top_k, top_p, repetition_penalty, seed), stop, prompt_cache)
     stats = Stats()
     pieces: list[str] = []
     reason = "length"
@@ -316,3 +391,52 @@ def generate(
         if piece.finish_reason is not None:
             reason = piece.finish_reason
     return GenerationResult("".join(pieces), token_list, reason, stats)
+
+
+def _generate_n(
+    model: Model, prompt: Prompt, n: int, max_tokens: int, cache: Optional[KVCache], settings: tuple, stop: object,
+    prompt_cache: Optional["PromptCache"],
+) -> list[GenerationResult]:
+    """:func:`generate` with ``n``: the prompt once, then ``n`` forks in one batch."""
+    temperature, top_k, top_p, penalty, seed = check_settings(*settings)
+    ids, stops, max_tokens, cache = _prepare(model, prompt, max_tokens, stop, cache, prompt_cache)
+    clock = time.perf_counter()
+    synced = model.sync(ids, cache, diverged="crop")
+    forks = [cache.fork() for _ in range(n)]
+    samplers = [_Sampler((temperature, top_k, top_p, penalty, None if seed is None else seed + i), ids) for i in range(n)]
+    texts = [_Text(model, stops, max_tokens) for _ in range(n)]
+    stats = [Stats(prompt_tokens=len(ids), prefill_tokens=synced.ran, reused_tokens=synced.kept) for _ in range(n)]
+    parts: list[list[str]] = [[] for _ in range(n)]
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    reasons: list[str] = ["length"] * n
+    logits = [synced.logits] * n
+    active = list(range(n))
+    while active:
+        fed: list[int] = []
+        for i in active:
+            token = samplers[i](logits[i])
+            piece, done = texts[i].add(token, forks[i])
+            if piece is not None:
+                parts[i].append(piece.text)
+                tokens[i].extend(piece.tokens)
+            if done is None:
+                fed.append(i)
+            else:
+                reasons[i] = done
+                last = texts[i].last(done)
+                parts[i].append(last.text)
+                tokens[i].extend(last.tokens)
+        # every active sequence's time is the step's (they ran together)
+        elapsed = time.perf_counter() - clock
+        for i in active:
+            stats[i].count(elapsed)
+        clock = time.perf_counter()
+        if fed:
+            out = model.forward_batch([[samplers[i].history[-1]] for i in fed], [forks[i] for i in fed])
+            for i, row in zip(fed, out):
+                logits[i] = row
+        active = fed
+    if prompt_cache is not None:
+        for f in forks:
+            prompt_cache.insert(f)
+    return [GenerationResult("".join(parts[i]), tokens[i], reasons[i], stats[i], cache=forks[i]) for i in range(n)]
