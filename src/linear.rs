@@ -222,6 +222,37 @@ impl View<'_> {
     }
 }
 
+impl View<'_> {
+    /// [`View::mul_rows`] for several inputs at once (`outs[m]` for `inputs[m]`): float32
+    /// rows are read once for all of them ([`crate::matvec::Kernel::mul_rows_batch`]),
+    /// each result bit-identical to `mul_rows`'s; blocks run input by input.
+    pub fn mul_rows_batch(&self, inputs: &[Input<'_>], first: usize, outs: &mut [&mut [f32]]) {
+        match self {
+            View::Float { guard, start, rows, cols } => {
+                let Storage::Cpu(s) = &**guard else { unreachable!("checked in Linear::view") };
+                let w = &s.as_slice::<f32>().expect("checked in Linear::view")[*start..start + rows * cols];
+                let xs: Vec<&[f32]> = inputs.iter().map(|i| i.x).collect();
+                matvec::kernel().mul_rows_batch(w, &xs, first, outs);
+            }
+            View::Quantized(_) => {
+                for (input, out) in inputs.iter().zip(outs.iter_mut()) {
+                    self.mul_rows(input, first, out);
+                }
+            }
+            View::Stack(parts) => {
+                let end = first + outs.first().map_or(0, |o| o.len());
+                for (start, p) in parts {
+                    let (lo, hi) = (first.max(*start), end.min(start + p.out_features()));
+                    if lo < hi {
+                        let mut sub: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[lo - first..hi - first]).collect();
+                        p.mul_rows_batch(inputs, lo - start, &mut sub);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Input rows up to which a quantized product runs integer matrix-vector products (the
 /// activations quantized to int8, as in a decode step).
 const QUANTIZED_MATVEC_MAX_ROWS: usize = 8;

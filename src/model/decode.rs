@@ -109,17 +109,17 @@ fn products(team: &Team, w: &View<'_>, inputs: &[Input<'_>], outs: &mut [Vec<f32
     let shards: Vec<Shards<'_, f32>> = outs.iter_mut().map(|o| Shards::new(o)).collect();
     team.run(n.div_ceil(per), &|t| {
         let rows = t * per..((t + 1) * per).min(n);
-        for (input, shards) in inputs.iter().zip(&shards) {
-            // SAFETY: tasks cover disjoint row ranges
-            let out = unsafe { shards.part(rows.clone()) };
-            if add {
-                let mut part = [0f32; MAX_ROWS_PER_TASK];
-                let part = &mut part[..rows.len()];
-                w.mul_rows(input, rows.start, part);
-                out.iter_mut().zip(part.iter()).for_each(|(o, p)| *o += p);
-            } else {
-                w.mul_rows(input, rows.start, out);
+        // SAFETY: tasks cover disjoint row ranges
+        let mut outs: Vec<&mut [f32]> = shards.iter().map(|s| unsafe { s.part(rows.clone()) }).collect();
+        if add {
+            let mut parts = vec![0f32; rows.len() * inputs.len()];
+            let mut views: Vec<&mut [f32]> = parts.chunks_mut(rows.len()).collect();
+            w.mul_rows_batch(inputs, rows.start, &mut views);
+            for (out, part) in outs.iter_mut().zip(parts.chunks(rows.len())) {
+                out.iter_mut().zip(part).for_each(|(o, p)| *o += p);
             }
+        } else {
+            w.mul_rows_batch(inputs, rows.start, &mut outs);
         }
     });
 }
@@ -133,14 +133,14 @@ fn gated(team: &Team, w: &View<'_>, inputs: &[Input<'_>], hs: &mut [Vec<f32>]) {
     let shards: Vec<Shards<'_, f32>> = hs.iter_mut().map(|h| Shards::new(h)).collect();
     team.run(n.div_ceil(per), &|t| {
         let rows = t * per..((t + 1) * per).min(n);
-        for (input, shards) in inputs.iter().zip(&shards) {
-            let (mut gate, mut up) = ([0f32; MAX_ROWS_PER_TASK], [0f32; MAX_ROWS_PER_TASK]);
-            let (gate, up) = (&mut gate[..rows.len()], &mut up[..rows.len()]);
-            w.mul_rows(input, rows.start, gate);
-            w.mul_rows(input, n + rows.start, up);
+        let (len, batch) = (rows.len(), inputs.len());
+        let (mut gate, mut up) = (vec![0f32; len * batch], vec![0f32; len * batch]);
+        w.mul_rows_batch(inputs, rows.start, &mut gate.chunks_mut(len).collect::<Vec<_>>());
+        w.mul_rows_batch(inputs, n + rows.start, &mut up.chunks_mut(len).collect::<Vec<_>>());
+        for (b, shards) in shards.iter().enumerate() {
             // SAFETY: tasks cover disjoint row ranges
             let out = unsafe { shards.part(rows.clone()) };
-            for ((o, g), u) in out.iter_mut().zip(gate.iter()).zip(up.iter()) {
+            for ((o, g), u) in out.iter_mut().zip(&gate[b * len..][..len]).zip(&up[b * len..][..len]) {
                 *o = g / (1.0 + (-g).exp()) * u;
             }
         }
