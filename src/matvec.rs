@@ -87,6 +87,11 @@ impl Kernel {
         debug_assert!(xs.iter().all(|x| x.len() == cols) && outs.iter().all(|o| o.len() == n) && xs.len() == outs.len());
         let w = &w[first * cols..(first + n) * cols];
         for (xs, outs) in xs.chunks(4).zip(outs.chunks_mut(4)) {
+            if let ([x], [out]) = (xs, &mut *outs) {
+                // one input: the single-input kernel's groups of four rows
+                self.mul_rows(w, x, 0, out);
+                continue;
+            }
             match self {
                 // SAFETY: the instruction set was detected at run time (`detect`/`available`).
                 #[cfg(target_arch = "x86_64")]

@@ -112,7 +112,8 @@ fn products(team: &Team, w: &View<'_>, inputs: &[Input<'_>], outs: &mut [Vec<f32
         // SAFETY: tasks cover disjoint row ranges
         let mut outs: Vec<&mut [f32]> = shards.iter().map(|s| unsafe { s.part(rows.clone()) }).collect();
         if add {
-            let mut parts = vec![0f32; rows.len() * inputs.len()];
+            let (mut stack, mut heap) = ([0f32; MAX_ROWS_PER_TASK], Vec::new());
+            let parts = scratch(&mut stack, &mut heap, rows.len() * inputs.len());
             let mut views: Vec<&mut [f32]> = parts.chunks_mut(rows.len()).collect();
             w.mul_rows_batch(inputs, rows.start, &mut views);
             for (out, part) in outs.iter_mut().zip(parts.chunks(rows.len())) {
@@ -134,7 +135,8 @@ fn gated(team: &Team, w: &View<'_>, inputs: &[Input<'_>], hs: &mut [Vec<f32>]) {
     team.run(n.div_ceil(per), &|t| {
         let rows = t * per..((t + 1) * per).min(n);
         let (len, batch) = (rows.len(), inputs.len());
-        let (mut gate, mut up) = (vec![0f32; len * batch], vec![0f32; len * batch]);
+        let (mut stack, mut heap) = ([0f32; 2 * MAX_ROWS_PER_TASK], Vec::new());
+        let (gate, up) = scratch(&mut stack, &mut heap, 2 * len * batch).split_at_mut(len * batch);
         w.mul_rows_batch(inputs, rows.start, &mut gate.chunks_mut(len).collect::<Vec<_>>());
         w.mul_rows_batch(inputs, n + rows.start, &mut up.chunks_mut(len).collect::<Vec<_>>());
         for (b, shards) in shards.iter().enumerate() {
@@ -145,4 +147,14 @@ fn gated(team: &Team, w: &View<'_>, inputs: &[Input<'_>], hs: &mut [Vec<f32>]) {
             }
         }
     });
+}
+
+/// `n` zeroed floats: on the stack when they fit (a batch of one), else on the heap.
+fn scratch<'a, const N: usize>(stack: &'a mut [f32; N], heap: &'a mut Vec<f32>, n: usize) -> &'a mut [f32] {
+    if n <= N {
+        &mut stack[..n]
+    } else {
+        heap.resize(n, 0.0);
+        heap
+    }
 }
