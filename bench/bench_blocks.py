@@ -2,17 +2,19 @@
 
     python bench/bench_blocks.py [--threads N] [--rounds 5] [--against PYTHON]
 
-- fork plus first append at 4,096 positions (the fork copies at most one partly filled
-  block): median time;
+Each figure is taken in a fresh process per environment:
 - 8 forks of a 2,000-token prompt, each extended by 64 tokens: the resident memory they
-  add, against the allowance of 8 x 64 positions plus one block per fork of keys and
-  values, and the bytes their blocks hold (``kvcandle.held_bytes``);
+  add (first in the process, so no freed memory is reused), against the allowance of 8 x
+  64 positions plus one block per fork, and the bytes their blocks hold
+  (``kvcandle.held_bytes``);
+- at 4,095 positions, a fork's first append after another fork's (so it must copy what
+  it shares), against the same append on an unshared cache: medians;
 - decode step time at 2,048 and 4,096 positions of context, float32 and float16 caches,
   and a 2,048-token prefill.
-  With ``--against PYTHON`` (the interpreter of another environment, such as one with
-  the kvcandle of an earlier commit installed) the same decode figures are taken there
-  too, the two taking turns in every round, and their ratio is printed: how the block
-  cache compares with the contiguous buffers it replaced, in the same run.
+With ``--against PYTHON`` (the interpreter of another environment, such as one with the
+kvcandle of an earlier commit installed) every figure is taken there too, the two taking
+turns in every decode round, and the decode ratios are printed: how the block cache
+compares with the contiguous buffers it replaced, in the same run.
 
 Each decode measurement prefills the context once, then times ``--steps`` steps,
 cropping back after each, and keeps the median; rounds alternate the environments.
@@ -26,7 +28,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 CONTEXTS = (2048, 4096)
 DECODE = r"""
