@@ -150,3 +150,22 @@ def test_generate_n_keeps_the_given_cache_at_the_prompt(default_model):
         with pytest.raises((kvcandle.InputError, TypeError), match="n"):
             kvcandle.generate(model, ids, n=bad, cache=cache)
     assert cache.tokens == ids
+
+
+def test_batch_generate_equals_each_prompt_alone(default_model):
+    model = default_model
+    prompts = ["The capital of France is", "Once upon a time, a llama", model.tokenizer.encode("def add(a, b):"), "1, 2, 3,"]
+    settings = dict(max_tokens=10, temperature=0.8, top_k=40, seed=11, stop=["\n\n\n"])
+    results = kvcandle.batch_generate(model, prompts, **settings)
+    assert len(results) == len(prompts)
+    for i, (p, r) in enumerate(zip(prompts, results)):
+        one = kvcandle.generate(model, p, **{**settings, "seed": 11 + i})
+        assert (r.text, r.tokens, r.finish_reason) == (one.text, one.tokens, one.finish_reason), i
+    with pytest.raises(kvcandle.InputError, match=r"prompts\[1\]: the prompt is empty"):
+        kvcandle.batch_generate(model, ["a", ""])
+    with pytest.raises(kvcandle.InputError, match="prompts is empty"):
+        kvcandle.batch_generate(model, [])
+    with pytest.raises(kvcandle.InputError, match="temperature"):
+        kvcandle.batch_generate(model, ["a"], temperature=-1)
+    with pytest.raises(TypeError, match="prompts"):
+        kvcandle.batch_generate(model, "a prompt")

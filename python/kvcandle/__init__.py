@@ -26,7 +26,7 @@ from .errors import (
     PositionError,
     TokenIdError,
 )
-from .generation import GenerationResult, Piece, generate, generate_step, stream_generate
+from .generation import GenerationResult, Piece, batch_generate, generate, generate_step, stream_generate
 from .model import Model, ModelConfig, Sync, load, load_cache
 from .prompt_cache import PromptCache
 from .tokenizer import Tokenizer
@@ -40,6 +40,7 @@ __all__ = [
     "load",
     "load_cache",
     "generate",
+    "batch_generate",
     "stream_generate",
     "generate_step",
     "GenerationResult",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Generator, Iterator, Optional, Sequence, Union, overload
+from typing import Any, Generator, Iterator, Optional, Sequence, Union, overload
 
 import numpy as np
 
@@ -69,8 +69,8 @@ class GenerationResult:
     """"eos", "stop" (a stop string), "length" (max_tokens) or "context" (cache full)."""
     stats: Stats = field(default_factory=Stats)
     cache: Optional[KVCache] = None
-    """With ``generate(..., n=...)``: the cache of this continuation (a fork of the
-    prompt's: the prompt and every generated token but the last)."""
+    """With ``generate(..., n=...)`` and ``batch_generate``: the cache of this
+    continuation (the prompt and every generated token but the last)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -398,24 +398,81 @@ def _generate_n(
     prompt_cache: Optional["PromptCache"],
 ) -> list[GenerationResult]:
     """:func:`generate` with ``n``: the prompt once, then ``n`` forks in one batch."""
-    temperature, top_k, top_p, penalty, seed = check_settings(*settings)
+    settings = check_settings(*settings)
     ids, stops, max_tokens, cache = _prepare(model, prompt, max_tokens, stop, cache, prompt_cache)
     clock = time.perf_counter()
     synced = model.sync(ids, cache, diverged="crop")
-    forks = [cache.fork() for _ in range(n)]
-    samplers = [_Sampler((temperature, top_k, top_p, penalty, None if seed is None else seed + i), ids) for i in range(n)]
+    results = _decode_together(model, [(ids, cache.fork(), synced) for _ in range(n)], settings, stops, max_tokens, clock)
+    if prompt_cache is not None:
+        for r in results:
+            prompt_cache.insert(r.cache)  # type: ignore[arg-type]
+    return results
+
+
+def batch_generate(
+    model: Model,
+    prompts: Sequence[Prompt],
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    repetition_penalty: Optional[float] = None,
+    seed: Optional[int] = None,
+    stop: Union[str, Sequence[str], None] = None,
+) -> list[GenerationResult]:
+    """Generates a continuation of each prompt (str or token ids, of any lengths), all
+    decoding together: one :meth:`kvcandle.Model.forward_batch` step per token for every
+    prompt still going. Each prompt is prefilled on its own cache first.
+
+    Prompt ``i`` samples with seed ``seed + i``, and its result is exactly what
+    ``generate(model, prompts[i], seed=seed + i, ...)`` gives alone (its ``cache`` is the
+    prompt's cache). The settings are :func:`generate`'s.
+
+    Raises:
+        InputError: no prompts, or as :func:`generate` (a bad setting; an empty prompt,
+            named by its index), before anything runs.
+        TypeError: ``prompts`` is not a sequence of prompts.
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a sequence of prompts (str or token ids), got {type(prompts).__name__}")
+    if not prompts:
+        raise InputError("prompts is empty: batch_generate needs at least one prompt")
+    settings = check_settings(temperature, top_k, top_p, repetition_penalty, seed)
+    prepared = []
+    for i, prompt in enumerate(prompts):
+        try:
+            prepared.append(_prepare(model, prompt, max_tokens, stop, None, None))
+        except InputError as e:
+            raise InputError(f"prompts[{i}]: {e}") from None
+    clock = time.perf_counter()
+    starts = [(ids, cache, model.sync(ids, cache, diverged="crop")) for ids, _, _, cache in prepared]
+    _, stops, max_tokens, _ = prepared[0]
+    return _decode_together(model, starts, settings, stops, max_tokens, clock)
+
+
+def _decode_together(
+    model: Model, starts: list[tuple[list[int], KVCache, Any]], settings: tuple, stops: list[str], max_tokens: int, clock: float
+) -> list[GenerationResult]:
+    """Sequence ``i`` (its prompt ids, its cache holding them, and the sync that gave the
+    last prompt position's logits) sampled with seed ``seed + i``, every sequence still
+    going fed to the model together, one step per token."""
+    temperature, top_k, top_p, penalty, seed = settings
+    n = len(starts)
+    caches = [cache for _, cache, _ in starts]
+    samplers = [_Sampler((temperature, top_k, top_p, penalty, None if seed is None else seed + i), ids) for i, (ids, _, _) in enumerate(starts)]
     texts = [_Text(model, stops, max_tokens) for _ in range(n)]
-    stats = [Stats(prompt_tokens=len(ids), prefill_tokens=synced.ran, reused_tokens=synced.kept) for _ in range(n)]
+    stats = [Stats(prompt_tokens=len(ids), prefill_tokens=s.ran, reused_tokens=s.kept) for ids, _, s in starts]
     parts: list[list[str]] = [[] for _ in range(n)]
     tokens: list[list[int]] = [[] for _ in range(n)]
     reasons: list[str] = ["length"] * n
-    logits = [synced.logits] * n
+    logits = [s.logits for _, _, s in starts]
     active = list(range(n))
     while active:
         fed: list[int] = []
         for i in active:
             token = samplers[i](logits[i])
-            piece, done = texts[i].add(token, forks[i])
+            piece, done = texts[i].add(token, caches[i])
             if piece is not None:
                 parts[i].append(piece.text)
                 tokens[i].extend(piece.tokens)
@@ -432,11 +489,8 @@ def _generate_n(
             stats[i].count(elapsed)
         clock = time.perf_counter()
         if fed:
-            out = model.forward_batch([[samplers[i].history[-1]] for i in fed], [forks[i] for i in fed])
+            out = model.forward_batch([[samplers[i].history[-1]] for i in fed], [caches[i] for i in fed])
             for i, row in zip(fed, out):
                 logits[i] = row
         active = fed
-    if prompt_cache is not None:
-        for f in forks:
-            prompt_cache.insert(f)
-    return [GenerationResult("".join(parts[i]), tokens[i], reasons[i], stats[i], cache=forks[i]) for i in range(n)]
+    return [GenerationResult("".join(parts[i]), tokens[i], reasons[i], stats[i], cache=caches[i]) for i in range(n)]
