@@ -8,16 +8,25 @@ per second all sequences together decode, as a median over rounds, and the ratio
 B = 1 of the same run. Batch sizes take turns within each round. Printed with them:
 the CPU's SIMD features and the thread count.
 
-llama.cpp's batched decode (several sequence ids in one ``llama_batch``) is not in this
-benchmark yet.
+With llama-cpp-python installed, llama.cpp's batched decode runs beside it on the same
+model (float32: the Q4_1 file written as an all-float32 GGUF by llama.cpp's quantizer;
+``quantized=True``: the Q4_1 file): the prompt decoded on sequence 0 and its cache cells
+copied to sequences 1..B-1, then one ``llama_batch`` of B tokens with B sequence ids per
+``llama_decode``, in a process of its own per figure (llama.cpp's default float16
+cache, its unified cache for B sequences).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import Optional
 
 BATCHES = (1, 2, 4, 8)
 
@@ -28,6 +37,68 @@ def cpu_features() -> str:
     except (OSError, StopIteration):
         return "unknown"
     return " ".join(f for f in ["avx512f", "avx512_vnni", "avx2", "fma", "f16c", "amx_tile"] if f in flags)
+
+
+LLAMA_CPP = r"""
+import ctypes, json, sys, time, statistics
+import numpy as np
+import llama_cpp as L
+path, context, steps, rounds, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+batches = json.loads(sys.argv[6])
+L.llama_backend_init()
+model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+rng = np.random.default_rng(0)
+prompt = rng.integers(0, 49152, context).tolist()
+out = {}
+for b in batches:
+    params = L.llama_context_default_params()
+    params.n_ctx = b * (context + steps * rounds + 64)
+    params.n_batch = 512
+    params.n_ubatch = 512
+    params.n_seq_max = b
+    params.n_threads = params.n_threads_batch = threads
+    params.kv_unified = True
+    ctx = L.llama_init_from_model(model, params)
+    batch = L.llama_batch_init(512, 0, b)
+    def decode(tokens, positions, seqs, logits):
+        batch.n_tokens = len(tokens)
+        for i, (t, p, s, lg) in enumerate(zip(tokens, positions, seqs, logits)):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, p, 1, lg
+            batch.seq_id[i][0] = s
+        assert L.llama_decode(ctx, batch) == 0
+    for start in range(0, context, 512):
+        chunk = prompt[start:start + 512]
+        decode(chunk, range(start, start + len(chunk)), [0] * len(chunk), [0] * len(chunk))
+    mem = L.llama_get_memory(ctx)
+    for s in range(1, b):
+        L.llama_memory_seq_cp(mem, 0, s, -1, -1)
+    pos, rates = context, []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps):
+            decode([int(x) for x in rng.integers(0, 49152, b)], [pos] * b, range(b), [1] * b)
+            pos += 1
+        rates.append(b * steps / (time.perf_counter() - t))
+    out[b] = statistics.median(rates)
+    L.llama_batch_free(batch)
+    L.llama_free(ctx)
+print(json.dumps(out))
+"""
+
+
+def llama_cpp_batched(path: str, context: int, steps: int, rounds: int, threads: int) -> Optional[dict[int, float]]:
+    """llama.cpp's aggregate decode tokens/s for each B, or None (with the reason printed)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama.cpp: skipped (pip install llama-cpp-python to compare)")
+        return None
+    run = subprocess.run([sys.executable, "-c", LLAMA_CPP, path, str(context), str(steps), str(rounds), str(threads), json.dumps(BATCHES)],
+                         capture_output=True, text=True)  # fmt: skip
+    if run.returncode != 0:
+        print(f"llama.cpp batched decode failed on {path} (exit {run.returncode}): {run.stderr.strip().splitlines()[-1:] }")
+        return None
+    return {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
 
 
 def main() -> None:
@@ -45,6 +116,15 @@ def main() -> None:
     print(f"CPU features: {cpu_features()}; {args.threads} thread(s)")
     rng = np.random.default_rng(0)
     results: dict[tuple[str, int], dict[int, float]] = {}
+    src = kvcandle.default_model_path()
+    llama_files: dict[bool, Optional[Path]] = {True: src, False: None}
+    try:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from _llamacpp import write_f32_gguf
+
+        llama_files[False] = write_f32_gguf(src, args.threads)
+    except ImportError:
+        pass
     for quantized in (False, True):
         model = kvcandle.load(quantized=quantized)
         name = "quantized=True" if quantized else "float32"
@@ -62,8 +142,13 @@ def main() -> None:
                         model.forward_batch(tokens, caches)
                     rates[b].append(b * args.steps / (time.perf_counter() - t))
             med = {b: statistics.median(r) for b, r in rates.items()}
-            results[(name, context)] = med
-            print(f"{name}, {context}-token context: " + ", ".join(f"B={b} {med[b]:.1f} tok/s ({med[b] / med[1]:.2f}x)" for b in BATCHES))
+            results[(f"kvcandle {name}", context)] = med
+            print(f"kvcandle {name}, {context}-token context: " + ", ".join(f"B={b} {med[b]:.1f} tok/s ({med[b] / med[1]:.2f}x)" for b in BATCHES))
+            theirs = llama_cpp_batched(str(llama_files[quantized]), context, args.steps, args.rounds, args.threads) if llama_files[quantized] else None
+            if theirs:
+                results[(f"llama.cpp {'Q4_1' if quantized else 'f32'}", context)] = theirs
+                print(f"llama.cpp {'Q4_1' if quantized else 'f32'}, {context}-token context: "
+                      + ", ".join(f"B={b} {theirs[b]:.1f} tok/s (kvcandle {med[b] / theirs[b]:.2f}x)" for b in BATCHES))
     if args.plot:
         import matplotlib
 
@@ -72,7 +157,7 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         for (name, context), med in results.items():
-            ax.plot(BATCHES, [med[b] for b in BATCHES], marker="o", label=f"kvcandle {name}, {context} ctx")
+            ax.plot(BATCHES, [med[b] for b in BATCHES], marker="o", linestyle="-" if name.startswith("kvcandle") else "--", label=f"{name}, {context} ctx")
         ax.set_xlabel("sequences in the batch (B)")
         ax.set_ylabel("aggregate decode tokens/s")
         ax.set_xticks(BATCHES)
