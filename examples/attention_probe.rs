@@ -9,7 +9,7 @@
 //!
 //!     RAYON_NUM_THREADS=2 cargo run --release --example attention_probe
 
-use kvcandle::attention::{decode_attention, LayerKv};
+use kvcandle::kernels::attention::{decode_attention, LayerKv};
 use std::time::Instant;
 fn main() {
     let (kv_heads, n_rep, d, len, layers) = (3usize, 3usize, 64usize, 2048usize, 30usize);

@@ -4,7 +4,7 @@
 //! [`BLOCK_LEN`] positions: each block holds, for every layer, (1, kv_heads, BLOCK_LEN,
 //! head_dim) keys and values, and a cache is a table of references to its blocks (position
 //! `p` lives in block `p / BLOCK_LEN`). New positions are written in place; attention
-//! reads the blocks through the table ([`crate::attention::LayerKv`]), so no step copies
+//! reads the blocks through the table ([`crate::kernels::attention::LayerKv`]), so no step copies
 //! the cache.
 //!
 //! Blocks are shared by reference: `fork` copies the table, never keys or values, and
@@ -22,7 +22,7 @@ use half::slice::HalfFloatSliceExt;
 
 use candle_core::{DType, Device, Storage, Tensor};
 
-use crate::attention::{decode_attention, prefill_attention, prefill_attention_half, LayerKv};
+use crate::kernels::attention::{decode_attention, prefill_attention, prefill_attention_half, LayerKv};
 
 /// A tensor's storage, locked for reading, and its layout.
 type Locked<'g> = (std::sync::RwLockReadGuard<'g, Storage>, &'g candle_core::Layout);
@@ -307,7 +307,7 @@ impl KvCache {
     }
 
     /// Attention of one new position's queries `q` (heads, head_dim) over `layer`'s first
-    /// `len` positions, read in place from the blocks ([`crate::attention`]). None when
+    /// `len` positions, read in place from the blocks ([`crate::kernels::attention`]). None when
     /// the cache is not float32 in CPU memory (the caller then uses candle's ops).
     pub(crate) fn attend_one(&self, layer: usize, q: &[f32], len: usize) -> Result<Option<Vec<f32>>> {
         self.with_layer(layer, len, |kv| match kv {
@@ -318,7 +318,7 @@ impl KvCache {
 
     /// Causal attention of `seq` new positions' queries `q` (heads, seq, head_dim), the
     /// last `seq` of `layer`'s first `len` positions, over everything they may see; (seq,
-    /// heads * head_dim) ([`crate::attention::prefill_attention`]). None when the cache is
+    /// heads * head_dim) ([`crate::kernels::attention::prefill_attention`]). None when the cache is
     /// not float32 in CPU memory.
     pub(crate) fn attend_causal(&self, layer: usize, q: &[f32], seq: usize, len: usize) -> Result<Option<Vec<f32>>> {
         self.with_layer(layer, len, |kv| match kv {

@@ -1,21 +1,17 @@
 //! kvcandle: a Llama-family model on candle with a KV cache the caller can see and
 //! control. The engine modules are plain Rust; the Python bindings live in `bindings`.
 
-pub mod attention;
-pub mod blocks;
 pub mod cache;
 pub mod cache_file;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod kernels;
 pub mod linear;
 pub mod loader;
-pub mod matvec;
 pub mod model;
-pub mod qmatvec;
 pub mod rope;
 pub mod sentencepiece;
-pub mod team;
 pub mod upstream;
 
 #[cfg(feature = "python")]

@@ -1,10 +1,10 @@
 //! Linear layers for the native engine: a float matrix (a candle tensor), a matrix kept in
-//! GGUF quantized blocks ([`crate::qmatvec`]), or a stack of either.
+//! GGUF quantized blocks ([`crate::kernels::qmatvec`]), or a stack of either.
 //!
 //! Two ways in: [`Module::forward`] for products of many rows (prefill), through candle;
 //! and [`Linear::view`] for one input vector (a decode step), which borrows the weights
 //! in place so that the threads of a step compute ranges of rows ([`View::mul_rows`]) with
-//! kvcandle's own kernels ([`crate::matvec`], [`crate::qmatvec`]).
+//! kvcandle's own kernels ([`crate::kernels::matvec`], [`crate::kernels::qmatvec`]).
 //!
 //! Matrices that read the same input are stacked at load ([`Linear::stack`]): q, k and v
 //! become one matrix and gate and up another, so a decode step reads its input once per
@@ -16,11 +16,11 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Module, Result, Storage, Tensor};
 
-use crate::blocks::Format;
+use crate::kernels::blocks::Format;
 use crate::loader::Blocks;
-use crate::matvec;
-use crate::qmatvec::{QInput, QKind, QMatrix};
-use crate::team::{Shards, Team};
+use crate::kernels::matvec;
+use crate::kernels::qmatvec::{QInput, QKind, QMatrix};
+use crate::kernels::team::{Shards, Team};
 
 pub enum Linear {
     Float(candle_nn::Linear),
@@ -224,7 +224,7 @@ impl View<'_> {
 
 impl View<'_> {
     /// [`View::mul_rows`] for several inputs at once (`outs[m]` for `inputs[m]`): float32
-    /// rows are read once for all of them ([`crate::matvec::Kernel::mul_rows_batch`]),
+    /// rows are read once for all of them ([`crate::kernels::matvec::Kernel::mul_rows_batch`]),
     /// each result bit-identical to `mul_rows`'s; blocks run input by input.
     pub fn mul_rows_batch(&self, inputs: &[Input<'_>], first: usize, outs: &mut [&mut [f32]]) {
         match self {
@@ -346,7 +346,7 @@ mod tests {
     use super::*;
 
     fn q4_1(rows: usize, cols: usize, seed: u64) -> QMatrix {
-        let data = crate::blocks::tests::random_blocks(Format::Q4_1, rows * cols / 32, seed);
+        let data = crate::kernels::blocks::tests::random_blocks(Format::Q4_1, rows * cols / 32, seed);
         QMatrix::new(QKind::Blocks(Format::Q4_1), rows, cols, data).unwrap()
     }
 

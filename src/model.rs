@@ -59,7 +59,7 @@ pub struct Llama {
     lm_head: Linear,
     rope: Rope,
     /// Float32 in CPU memory: single tokens take kvcandle's own step ([`decode`]) and
-    /// prefill chunks its own causal attention ([`crate::attention::prefill_attention`]).
+    /// prefill chunks its own causal attention ([`crate::kernels::attention::prefill_attention`]).
     decode: bool,
 }
 

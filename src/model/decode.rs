@@ -12,7 +12,7 @@
 
 use super::*;
 use crate::linear::{Input, View};
-use crate::team::{Shards, Team};
+use crate::kernels::team::{Shards, Team};
 
 /// The largest row range one task computes (its partial results live on the stack).
 const MAX_ROWS_PER_TASK: usize = 256;

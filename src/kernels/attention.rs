@@ -28,8 +28,8 @@ use std::sync::OnceLock;
 use half::slice::HalfFloatSliceExt;
 use half::f16;
 
-use crate::matvec::kernel;
-use crate::team::{Shards, Team};
+use crate::kernels::matvec::kernel;
+use crate::kernels::team::{Shards, Team};
 
 /// Positions per task: enough work to be worth a hand-off, few enough to spread a
 /// 2,048-position cache of 3 KV heads over many threads.
@@ -98,7 +98,7 @@ thread_local! {
 fn widen_into(src: &[f16], dst: &mut [f32]) {
     debug_assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
-    if kernel() == crate::matvec::Kernel::Avx512 {
+    if kernel() == crate::kernels::matvec::Kernel::Avx512 {
         // SAFETY: the CPU has AVX-512F (checked at run time)
         unsafe { widen_avx512(src, dst) };
         return;
@@ -230,10 +230,10 @@ fn chunk<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::op
     match kernel() {
         // SAFETY: the CPU has AVX-512F (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        crate::matvec::Kernel::Avx512 => unsafe { chunk_avx512(q, kv, h, positions) },
+        crate::kernels::matvec::Kernel::Avx512 => unsafe { chunk_avx512(q, kv, h, positions) },
         // SAFETY: the CPU has AVX2 and FMA (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        crate::matvec::Kernel::Avx2 => unsafe { chunk_avx2(q, kv, h, positions) },
+        crate::kernels::matvec::Kernel::Avx2 => unsafe { chunk_avx2(q, kv, h, positions) },
         _ => chunk_portable(q, kv, h, positions),
     }
 }
@@ -585,9 +585,9 @@ fn softmax_prefix(s: &mut [f32], visible: usize) -> f32 {
     match kernel() {
         // SAFETY: the CPU has the instruction set (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        crate::matvec::Kernel::Avx512 => unsafe { avx512(s, visible) },
+        crate::kernels::matvec::Kernel::Avx512 => unsafe { avx512(s, visible) },
         #[cfg(target_arch = "x86_64")]
-        crate::matvec::Kernel::Avx2 => unsafe { avx2(s, visible) },
+        crate::kernels::matvec::Kernel::Avx2 => unsafe { avx2(s, visible) },
         _ => body(s, visible),
     }
 }
@@ -683,7 +683,7 @@ fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::matvec::Kernel;
+    use crate::kernels::matvec::Kernel;
 
     /// Softmax attention in float64, the plain way.
     fn reference(q: &[f32], kv: &LayerKv<'_>) -> Vec<f64> {

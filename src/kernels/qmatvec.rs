@@ -4,14 +4,14 @@
 //! kernels only when the whole crate is built for AVX2, so on a portable build it is
 //! slower than float32. These kernels read the blocks as stored (Q8_0: a scale and 32
 //! bytes, the half-precision scale converted to float32 once, at load; every other block
-//! type byte for byte, read through [`crate::blocks`]) and split rows across threads. When the CPU has AVX2
+//! type byte for byte, read through [`crate::kernels::blocks`]) and split rows across threads. When the CPU has AVX2
 //! and FMA (detected at run time), and on every 64-bit ARM CPU (NEON is part of the
 //! architecture), the activations are quantized to int8 per block and multiplied as
 //! integers, as llama.cpp does; otherwise a portable float32 loop runs.
 
 use half::f16;
 
-use crate::blocks::{Format, SUB};
+use crate::kernels::blocks::{Format, SUB};
 
 const BLOCK: usize = 32;
 
@@ -346,7 +346,7 @@ unsafe fn dot_q8_0_neon(row: Row<'_>, xq: &[i8], xd: &[f32]) -> f32 {
 }
 
 /// [`dot_blocks_q8_avx2`] with NEON: each sub-block's integers (0..64, unpacked by
-/// [`crate::blocks::values_neon`]) times the int8 activations, a half (16 values) per
+/// [`crate::kernels::blocks::values_neon`]) times the int8 activations, a half (16 values) per
 /// register.
 #[cfg(target_arch = "aarch64")]
 #[target_feature(enable = "neon")]
@@ -361,7 +361,7 @@ unsafe fn dot_blocks_q8_neon<const F: u8>(row: &[u8], xq: &[i8], xd: &[f32], hal
         let scales = f.scales(block);
         for s in 0..subs {
             let k = b * subs + s;
-            let [q_lo, q_hi] = crate::blocks::values_neon(f, block, s);
+            let [q_lo, q_hi] = crate::kernels::blocks::values_neon(f, block, s);
             let (scale, min) = (scales.scale[s], scales.min[s]);
             let x = xq.as_ptr().add(k * SUB);
             let lo = vcvtq_f32_s32(dot16_neon(vreinterpretq_s8_u8(q_lo), vld1q_s8(x)));
@@ -380,7 +380,7 @@ fn widen_half<const BF16: bool>(h: u16) -> f32 {
     if BF16 {
         f32::from_bits((h as u32) << 16)
     } else {
-        crate::blocks::f16_to_f32(h)
+        crate::kernels::blocks::f16_to_f32(h)
     }
 }
 
@@ -475,7 +475,7 @@ fn dot_blocks(f: Format, row: &[u8], input: &QInput) -> f32 {
 const PREFETCH: usize = 2048;
 
 /// Kept blocks against int8 activations, with AVX2: per sub-block, its integers unpacked
-/// into one register ([`crate::blocks::values_avx2`]) and multiplied with the activations
+/// into one register ([`crate::kernels::blocks::values_avx2`]) and multiplied with the activations
 /// as bytes (the integers are unsigned, in 0..64), summed per 4 bytes: lanes 0..4 hold the
 /// first half's sums, lanes 4..8 the second's, scaled by their halves' scales times the
 /// activations' scale (two accumulators, even and odd sub-blocks); minus each half's
@@ -502,7 +502,7 @@ unsafe fn dot_blocks_q8_avx2<const F: u8>(row: &[u8], xq: &[i8], xd: &[f32], hal
         macro_rules! sub {
             ($s:expr, $acc:ident) => {{
                 let (s, k) = ($s, b * subs + $s);
-                let q = crate::blocks::values_avx2(f, block, s);
+                let q = crate::kernels::blocks::values_avx2(f, block, s);
                 let x = _mm256_loadu_si256(xq.as_ptr().add(k * SUB) as *const __m256i);
                 let products = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
                 let (scale, d) = (scales.scale[s], *xd.get_unchecked(k));
@@ -541,7 +541,7 @@ unsafe fn dot_small_q8_avx2<const F: u8>(row: &[u8], xq: &[i8], xd: &[f32], half
             _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(PREFETCH) as *const i8);
             let halves = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(block as *const i32)));
             let (d, second) = (_mm_cvtss_f32(halves), _mm_cvtss_f32(_mm_movehdup_ps(halves)));
-            let q = crate::blocks::values_avx2(f, std::slice::from_raw_parts(block, bytes), 0);
+            let q = crate::kernels::blocks::values_avx2(f, std::slice::from_raw_parts(block, bytes), 0);
             let x = _mm256_loadu_si256(xq.as_ptr().add(b * SUB) as *const __m256i);
             let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
             $acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * *xd.get_unchecked(b)), $acc);
@@ -662,14 +662,14 @@ mod tests {
     /// same bytes; row ranges equal the whole.
     #[test]
     fn kept_blocks_match_float64_over_candles_dequantization() {
-        use crate::blocks::tests::{random_blocks, ALL};
+        use crate::kernels::blocks::tests::{random_blocks, ALL};
         for f in ALL {
             // the one-sub-block formats with an odd number of blocks a row: the two-block
             // steps and the last one alone
             let (rows, cols) = (7, if f.block_values() == SUB { 544 } else { 512 });
             let data = random_blocks(f, rows * cols / f.block_values(), 13);
             let m = QMatrix::new(QKind::Blocks(f), rows, cols, data.clone()).unwrap();
-            let t = candle_core::quantized::ggml_file::qtensor_from_ggml(crate::blocks::tests::ggml(f), &data, vec![rows, cols], &candle_core::Device::Cpu).unwrap();
+            let t = candle_core::quantized::ggml_file::qtensor_from_ggml(crate::kernels::blocks::tests::ggml(f), &data, vec![rows, cols], &candle_core::Device::Cpu).unwrap();
             let w = t.dequantize(&candle_core::Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(m.dequantize(), w, "{f:?}: dequantized rows");
             let x: Vec<f32> = (0..cols).map(|i| ((i * 37 % 17) as f32 - 8.0) / 4.0).collect();
@@ -742,7 +742,7 @@ mod tests {
         a.mul_rows(&input, 5, &mut parts[5..9]);
         b.mul_rows(&input, 0, &mut parts[9..]);
         assert_eq!(whole, parts);
-        let other = QMatrix::new(QKind::Blocks(Format::Q4_1), 2, 64, crate::blocks::tests::random_blocks(Format::Q4_1, 4, 5)).unwrap();
+        let other = QMatrix::new(QKind::Blocks(Format::Q4_1), 2, 64, crate::kernels::blocks::tests::random_blocks(Format::Q4_1, 4, 5)).unwrap();
         assert!(QMatrix::stack(&[&a, &other]).is_none());
     }
 

@@ -14,7 +14,7 @@
 pub const SUB: usize = 32;
 
 /// The block types kept byte for byte (Q8_0 is repacked for its own kernel:
-/// [`crate::qmatvec`]).
+/// [`crate::kernels::qmatvec`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Format {

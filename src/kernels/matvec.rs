@@ -1,6 +1,6 @@
 //! Float32 matrix-vector products for decode steps: `out[i] = W[rows.start + i] · x` for
 //! a range of rows of a row-major matrix, so that a step's threads each take ranges of
-//! one matrix ([`crate::team`]).
+//! one matrix ([`crate::kernels::team`]).
 //!
 //! A decode step reads every weight once, so these kernels are about streaming memory:
 //! four rows at a time (each load of `x` serves four rows), two accumulators per row
