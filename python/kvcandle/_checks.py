@@ -60,3 +60,14 @@ def check_number(name: str, value: object, *, allowed: Callable[[float], bool], 
     if x is None or not math.isfinite(x) or not allowed(x):
         raise refuse(name, rule, value)
     return x
+
+
+def int_arg(value: object, name: str) -> int:
+    """``value`` (an int or numpy integer, not a bool) as a Python int.
+
+    Raises:
+        TypeError: otherwise, naming ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional, Sequence, Union, overload
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence, Union, overload
 
 import numpy as np
 
 from . import _core
+from ._checks import int_arg
 
 if TYPE_CHECKING:
     from .model import Model
@@ -152,7 +153,7 @@ class KVCache:
             InputError: ``n`` is outside ``[0, len(cache)]`` (a ``ValueError``).
             TypeError: ``n`` is not an int.
         """
-        return self._inner.crop(_as_int(n, "n"))
+        return self._inner.crop(int_arg(n, "n"))
 
     def trim(self, n: int) -> int:
         """Drops the last ``n`` positions (as mlx-lm's ``trim``). O(1).
@@ -167,7 +168,7 @@ class KVCache:
             InputError: ``n`` is outside ``[0, len(cache)]`` (a ``ValueError``).
             TypeError: ``n`` is not an int.
         """
-        return self._inner.trim(_as_int(n, "n"))
+        return self._inner.trim(int_arg(n, "n"))
 
     def fork(self) -> "KVCache":
         """A new cache holding the same positions, sharing every block by reference.
@@ -212,9 +213,3 @@ def held_bytes(caches: Iterable[KVCache]) -> int:
             raise TypeError(f"caches[{i}] must be a kvcandle.KVCache, got {type(c).__name__}")
         inner.append(c._inner)
     return _core.held_bytes(inner)
-
-
-def _as_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return int(value)

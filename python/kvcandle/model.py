@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal, Optional, Sequence, Union
+from typing import Callable, Literal, Optional, Sequence, Union
 
 import numpy as np
 
@@ -18,9 +18,8 @@ from ._ids import Ids, as_ids, common_prefix
 from .cache import KVCache
 from .errors import CacheError, InputError
 from .tokenizer import Tokenizer
+from .upstream import UpstreamModel
 
-if TYPE_CHECKING:
-    from .upstream import UpstreamModel
 
 
 @dataclass(frozen=True)
@@ -260,7 +259,6 @@ class Model:
 
     def upstream(self) -> "UpstreamModel":
         """candle-transformers' own Llama on the same weights (shared, not copied)."""
-        from .upstream import UpstreamModel
 
         return UpstreamModel(self._inner.upstream())
 

@@ -23,7 +23,7 @@ import numpy as np
 from . import _core
 from ._default import default_model_path
 from ._ids import Ids, as_ids
-from .cache import _as_int
+from ._checks import int_arg
 from .errors import CacheError, InputError, PositionError
 
 
@@ -133,7 +133,7 @@ class TrackedCache:
 
     def _count(self, op: str, n: object) -> int:
         """``n`` as an int in ``[0, len]``, else the errors kvcandle's own cache raises."""
-        value = _as_int(n, "n")
+        value = int_arg(n, "n")
         if not 0 <= value <= len(self):
             raise InputError(f"{op}: n must be in [0, {len(self)}] (the cache length), got {value}")
         return value
