@@ -282,10 +282,10 @@ impl KvCache {
     }
 
     /// Writes one new position's keys and values (kv_heads * head_dim floats each) of
-    /// `layer` at the end of the cache, in place. Positions must have been reserved; the
-    /// cache must be float32 or float16 in CPU memory.
-    pub(crate) fn write_one(&self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
-        let p = self.len();
+    /// `layer` at position `p` (the cache's length or after it), in place. Positions must
+    /// have been reserved; the cache must be float32 or float16 in CPU memory.
+    pub(crate) fn write_at(&self, layer: usize, p: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        debug_assert!(p >= self.len());
         let block = &self.blocks[p / BLOCK_LEN];
         let (heads, d) = (self.layout.kv_heads, self.layout.head_dim);
         for (t, data) in [(&block.keys[layer], k), (&block.values[layer], v)] {

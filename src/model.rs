@@ -20,6 +20,12 @@ static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
 pub const PREFILL_CHUNK: usize = 256;
 
 /// A fresh identity for a loaded model; caches remember the model that made them.
+/// Chunks of up to this many tokens run as rows of a single-token step
+/// ([`Llama::decode_rows`]): the weights read once for all rows, each row's arithmetic
+/// that of a decode step. Longer ones take the prefill path (matrix products tiled for
+/// many rows, attention for a whole chunk at once).
+pub const SMALL_CHUNK: usize = 8;
+
 pub(crate) fn next_model_id() -> u64 {
     NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed)
 }
@@ -337,38 +343,37 @@ impl Llama {
     }
 
     fn run_batch(&self, ids: &[Vec<i64>], checked: &[Vec<u32>], caches: &mut [&mut KvCache], all_logits: bool) -> Result<Vec<Tensor>> {
-        let vocab = self.config.vocab_size;
-        let single = |b: usize| self.decode && checked[b].len() == 1;
+        let small = |b: usize| self.decode && checked[b].len() <= SMALL_CHUNK;
         let mut out: Vec<Option<Tensor>> = vec![None; ids.len()];
-        let rows: Vec<usize> = (0..ids.len()).filter(|&b| single(b)).collect();
+        let rows: Vec<usize> = (0..ids.len()).filter(|&b| small(b)).collect();
         if !rows.is_empty() {
-            let tokens: Vec<u32> = rows.iter().map(|&b| checked[b][0]).collect();
-            let mut batch: Vec<&mut KvCache> = caches.iter_mut().enumerate().filter(|(b, _)| single(*b)).map(|(_, c)| &mut **c).collect();
-            for (&b, logits) in rows.iter().zip(self.decode_batch(&tokens, &mut batch)?) {
-                let shape: &[usize] = if all_logits { &[1, vocab] } else { &[vocab] };
-                out[b] = Some(Tensor::from_vec(logits, shape, &self.device)?);
+            let tokens: Vec<&[u32]> = rows.iter().map(|&b| &checked[b][..]).collect();
+            let mut batch: Vec<&mut KvCache> = caches.iter_mut().enumerate().filter(|(b, _)| small(*b)).map(|(_, c)| &mut **c).collect();
+            for ((&b, logits), ids) in rows.iter().zip(self.decode_rows(&tokens, &mut batch, all_logits)?).zip(&tokens) {
+                out[b] = Some(self.logits_tensor(logits, ids.len(), all_logits)?);
             }
         }
         for (b, cache) in caches.iter_mut().enumerate() {
-            if !single(b) {
+            if !small(b) {
                 out[b] = Some(self.forward(&ids[b], cache, all_logits).map_err(|e| e.in_sequence(b))?);
             }
         }
         Ok(out.into_iter().map(|t| t.expect("every sequence ran")).collect())
     }
 
+    /// A step of rows' logits as [`Self::forward`] returns them.
+    fn logits_tensor(&self, logits: Vec<f32>, rows: usize, all_logits: bool) -> Result<Tensor> {
+        let vocab = self.config.vocab_size;
+        Ok(if all_logits { Tensor::from_vec(logits, (rows, vocab), &self.device)? } else { Tensor::from_vec(logits, vocab, &self.device)? })
+    }
+
     /// One chunk: appends it to the cache; returns its logits when asked for (all rows
     /// with `all_logits`, else only the last row of the last chunk).
     fn forward_chunk(&self, ids: &[u32], cache: &mut KvCache, all_logits: bool, last: bool) -> Result<Option<Tensor>> {
         let seq = ids.len();
-        if seq == 1 && self.decode {
-            let logits = self.decode_one(ids[0], cache)?;
-            let vocab = self.config.vocab_size;
-            return Ok(match (all_logits, last) {
-                (true, _) => Some(Tensor::from_vec(logits, (1, vocab), &self.device)?),
-                (false, true) => Some(Tensor::from_vec(logits, vocab, &self.device)?),
-                (false, false) => None,
-            });
+        if seq <= SMALL_CHUNK && self.decode {
+            let logits = self.decode_rows(&[ids], &mut [cache], all_logits)?.pop().expect("one sequence");
+            return if all_logits || last { Ok(Some(self.logits_tensor(logits, seq, all_logits)?)) } else { Ok(None) };
         }
         cache.reserve(seq)?;
         let mut x = self.embed(ids)?.unsqueeze(0)?;

@@ -1,7 +1,8 @@
 """``model.forward_batch``: several sequences, each with its own cache, in one call. Decode
-rows run in one step and must give, bit for bit, what each sequence gives alone with
-``forward`` whatever else is in the batch; prefill chunks run as ``forward`` runs them;
-a refused call names the sequence and changes no cache."""
+rows and short chunks (up to ``kvcandle.SMALL_CHUNK`` tokens) run as rows of one step and
+must give, bit for bit, what each sequence gives alone with ``forward`` whatever else is
+in the batch, and a short chunk what its tokens give decoded one by one; longer chunks
+run as ``forward`` runs them; a refused call names the sequence and changes no cache."""
 
 from __future__ import annotations
 
@@ -56,6 +57,46 @@ def test_quantized_decode_rows_are_bit_identical(tmp_path):
     check_batch_equals_alone(model, prompts, [[5], [6], [7], [8]])
 
 
+def one_by_one(model, prompt, chunk, dtype=None):
+    """Every position's logits of `chunk` after `prompt`, its tokens decoded one at a time."""
+    cache = model.new_cache(dtype=dtype)
+    if prompt:
+        model.forward(prompt, cache)
+    return np.stack([model.forward([t], cache) for t in chunk]), cache
+
+
+@pytest.mark.parametrize("dtype", [None, "float16"])
+def test_a_short_chunk_is_its_tokens_decoded_one_by_one(tiny_models, dtype):
+    # the rows of a short chunk see each other as decode steps would: bit for bit the
+    # same logits and the same cache (what verifying guessed tokens needs)
+    model = tiny_models["gqa"]
+    rng = np.random.default_rng(8)
+    for start, n in ((0, 2), (5, kvcandle.SMALL_CHUNK), (56, 8), (60, 3), (40, 1)):
+        prompt, chunk = rng.integers(0, 101, start).tolist(), rng.integers(0, 101, n).tolist()
+        want, ref = one_by_one(model, prompt, chunk, dtype)
+        cache = model.new_cache(dtype=dtype)
+        if prompt:
+            model.forward(prompt, cache)
+        got = model.forward(chunk, cache, all_logits=True)
+        assert np.array_equal(got, want), (start, n)
+        assert np.array_equal(model.forward(chunk, _with(model, prompt, dtype)), want[-1])
+        assert cache.tokens == ref.tokens
+        assert all(np.array_equal(a.keys, b.keys) and np.array_equal(a.values, b.values) for a, b in zip(cache.layers, ref.layers))
+
+
+def test_quantized_short_chunks_are_decode_steps_and_batch_invariant(tmp_path):
+    shape = Shape("q", vocab=101, hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2, max_pos=256)
+    floats, blocks = quantized_weights(shape, "Q4_1", seed=5)
+    model = kvcandle.load(write_gguf(tmp_path / "q.gguf", shape, weights=floats, blocks=blocks), quantized=True)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 101, n).tolist() for n in (9, 0, 70)]
+    chunks = [rng.integers(0, 101, n).tolist() for n in (3, 8, 1)]
+    caches = [_with(model, p) for p in prompts]
+    got = model.forward_batch(chunks, caches, all_logits=True)
+    for b, (p, c) in enumerate(zip(prompts, chunks)):
+        assert np.array_equal(got[b], one_by_one(model, p, c)[0]), f"sequence {b}"
+
+
 def test_forks_of_one_prompt_decode_together(default_model):
     # the default model: 8 forks of a 150-token prompt, each fed its own token, over steps
     model = default_model
@@ -89,9 +130,10 @@ def test_decode_rows_and_prefill_chunks_in_one_call(tiny):
         assert np.array_equal(got[b], want[b]), f"sequence {b}"
 
 
-def _with(model, ids):
-    cache = model.new_cache()
-    model.forward(ids, cache)
+def _with(model, ids, dtype=None):
+    cache = model.new_cache(dtype=dtype)
+    if ids:
+        model.forward(ids, cache)
     return cache
 
 

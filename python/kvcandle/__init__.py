@@ -8,7 +8,7 @@
 """
 
 from . import upstream
-from ._core import BLOCK_LEN, __version__, compiled_devices
+from ._core import BLOCK_LEN, SMALL_CHUNK, __version__, compiled_devices
 from ._default import default_model_path
 from .cache import KVCache, LayerView, held_bytes
 from .conversation import Conversation
@@ -35,6 +35,7 @@ __all__ = [
     "__version__",
     "compiled_devices",
     "BLOCK_LEN",
+    "SMALL_CHUNK",
     "held_bytes",
     "default_model_path",
     "load",

@@ -118,7 +118,10 @@ class Model:
         """Runs ``ids`` after the tokens the cache holds and appends them to it.
 
         Positions come from ``len(cache)``. Several ids at once on a non-empty cache is a
-        chunked prefill. A rejected call leaves the cache exactly as it was.
+        chunked prefill. Up to :data:`kvcandle.SMALL_CHUNK` ids run as rows of one decode
+        step (the weights read once for all of them), giving bit for bit what the ids
+        give fed one at a time; longer inputs run as matrix products over the chunk. A
+        rejected call leaves the cache exactly as it was.
 
         Args:
             ids: token ids, a list of ints or a 1-D integer numpy array.
@@ -145,11 +148,11 @@ class Model:
         """Runs ``ids[b]`` after the tokens ``caches[b]`` holds, for every sequence b, in
         one call; each sequence's logits as :meth:`forward` returns them.
 
-        The sequences of one token (decode rows) run together in one step: every weight
-        matrix is read once for all of them, and each sequence's logits are bit-identical
-        to a :meth:`forward` of it alone, whatever else is in the batch. Sequences of
-        several tokens (prefill chunks) run as :meth:`forward` runs them. Caches may be
-        forks of one prompt (they share its blocks) and of any lengths.
+        Decode rows and short chunks (up to :data:`kvcandle.SMALL_CHUNK` tokens) run
+        together as rows of one step: every weight matrix is read once for all of them,
+        and each sequence's logits are bit-identical to a :meth:`forward` of it alone,
+        whatever else is in the batch. Longer chunks run as :meth:`forward` runs them.
+        Caches may be forks of one prompt (they share its blocks) and of any lengths.
 
         Every sequence is checked before any work; a refused call raises the error
         :meth:`forward` would raise, its message starting ``sequence b:``, and leaves every

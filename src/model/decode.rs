@@ -18,32 +18,31 @@ use crate::kernels::team::{Shards, Team};
 const MAX_ROWS_PER_TASK: usize = 256;
 
 impl Llama {
-    /// Runs one token at the cache's next position, appends its keys and values and
-    /// returns the logits. The cache's length changes only if every step succeeded.
-    pub(super) fn decode_one(&self, id: u32, cache: &mut KvCache) -> Result<Vec<f32>> {
-        Ok(self.decode_batch(&[id], &mut [cache])?.pop().expect("one sequence"))
-    }
-
-    /// Runs token `ids[b]` at the next position of `caches[b]` for every sequence b in
-    /// one step: each weight matrix is read once per step for all of them (a task's rows
-    /// stay in the core's cache while every sequence's input is multiplied with them),
-    /// attention runs per sequence over its own cache. Each sequence's arithmetic is
-    /// exactly what it is alone (the same kernels on the same row ranges), so its logits
-    /// do not depend on the batch. A cache's length changes only if every step succeeded.
-    pub(super) fn decode_batch(&self, ids: &[u32], caches: &mut [&mut KvCache]) -> Result<Vec<Vec<f32>>> {
+    /// Runs `ids[b]` (a few tokens) after the tokens of `caches[b]` for every sequence b
+    /// in one step of rows: every token is one row, each weight matrix is read once per
+    /// step for all rows (a task's rows stay in the core's cache while every row's input
+    /// is multiplied with them), attention runs row by row over the row's own cache, each
+    /// row seeing its sequence's earlier positions (the rows before it in the same chunk
+    /// included). A row's arithmetic is exactly what it is alone (the same kernels on the
+    /// same row ranges), so its logits depend neither on the batch nor on the chunk: a
+    /// chunk gives, bit for bit, what its tokens give decoded one by one. Returns each
+    /// sequence's logits: every row's, (len(ids[b]) * vocab) floats, with `all_logits`,
+    /// else its last row's. A cache's length changes only if every step succeeded.
+    pub(super) fn decode_rows(&self, ids: &[&[u32]], caches: &mut [&mut KvCache], all_logits: bool) -> Result<Vec<Vec<f32>>> {
         let c = &self.config;
         let (heads, kv_heads, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let team = Team::global();
-        for cache in caches.iter_mut() {
-            cache.reserve(1)?;
+        for (cache, ids) in caches.iter_mut().zip(ids) {
+            cache.reserve(ids.len())?;
         }
-        let positions: Vec<usize> = caches.iter().map(|c| c.len()).collect();
-        let batch = ids.len();
-        let mut x = ids.iter().map(|&id| self.embed_one(id)).collect::<Result<Vec<_>>>()?;
-        let mut xn = vec![vec![0f32; c.hidden_size]; batch];
-        let mut qkv = vec![vec![0f32; (heads + 2 * kv_heads) * d]; batch];
-        let mut h = vec![vec![0f32; c.intermediate_size]; batch];
-        let mut y = Vec::with_capacity(batch);
+        // (sequence, position) of every row, sequence by sequence
+        let rows: Vec<(usize, usize)> = ids.iter().zip(caches.iter()).enumerate().flat_map(|(b, (ids, cache))| (0..ids.len()).map(move |j| (b, cache.len() + j))).collect();
+        let n = rows.len();
+        let mut x = ids.iter().flat_map(|ids| ids.iter()).map(|&id| self.embed_one(id)).collect::<Result<Vec<_>>>()?;
+        let mut xn = vec![vec![0f32; c.hidden_size]; n];
+        let mut qkv = vec![vec![0f32; (heads + 2 * kv_heads) * d]; n];
+        let mut h = vec![vec![0f32; c.intermediate_size]; n];
+        let mut y = Vec::with_capacity(n);
         for (i, layer) in self.layers.iter().enumerate() {
             for (x, xn) in x.iter().zip(xn.iter_mut()) {
                 layer.input_layernorm.apply(x, xn);
@@ -51,15 +50,15 @@ impl Llama {
             let qkv_proj = &layer.attn.qkv;
             products(team, &view(qkv_proj)?, &prepared(qkv_proj, &xn), &mut qkv, false);
             y.clear();
-            for (b, cache) in caches.iter().enumerate() {
-                let (q, kv) = qkv[b].split_at_mut(heads * d);
+            for (row, &(b, p)) in qkv.iter_mut().zip(&rows) {
+                let (q, kv) = row.split_at_mut(heads * d);
                 let (k, v) = kv.split_at_mut(kv_heads * d);
-                self.rope.rotate(q, positions[b]);
-                self.rope.rotate(k, positions[b]);
-                cache.write_one(i, k, v)?;
+                self.rope.rotate(q, p);
+                self.rope.rotate(k, p);
+                caches[b].write_at(i, p, k, v)?;
                 y.push(
-                    cache
-                        .attend_one(i, q, positions[b] + 1)?
+                    caches[b]
+                        .attend_one(i, q, p + 1)?
                         .ok_or_else(|| Error::Cache("the single-token step needs a float32 or float16 cache in CPU memory".into()))?,
                 );
             }
@@ -73,15 +72,22 @@ impl Llama {
             let down = &layer.mlp.down_proj;
             products(team, &view(down)?, &prepared(down, &h), &mut x, true);
         }
-        for (x, xn) in x.iter().zip(xn.iter_mut()) {
-            self.norm.apply(x, xn);
+        // the rows whose logits are asked for: each sequence's last, or all
+        let wanted: Vec<usize> = (0..n).filter(|&r| all_logits || rows.get(r + 1).is_none_or(|next| next.0 != rows[r].0)).collect();
+        let mut last = vec![vec![0f32; c.hidden_size]; wanted.len()];
+        for (&r, xn) in wanted.iter().zip(last.iter_mut()) {
+            self.norm.apply(&x[r], xn);
         }
-        let mut logits = vec![vec![0f32; c.vocab_size]; batch];
-        products(team, &view(&self.lm_head)?, &prepared(&self.lm_head, &xn), &mut logits, false);
-        for (cache, &id) in caches.iter_mut().zip(ids) {
-            cache.commit(&[id]);
+        let mut logits = vec![vec![0f32; c.vocab_size]; wanted.len()];
+        products(team, &view(&self.lm_head)?, &prepared(&self.lm_head, &last), &mut logits, false);
+        for (cache, ids) in caches.iter_mut().zip(ids) {
+            cache.commit(ids);
         }
-        Ok(logits)
+        let mut out = vec![Vec::new(); ids.len()];
+        for (&r, logits) in wanted.iter().zip(logits) {
+            out[rows[r].0].extend_from_slice(&logits);
+        }
+        Ok(out)
     }
 }
 
