@@ -223,9 +223,9 @@ impl View<'_> {
 }
 
 impl View<'_> {
-    /// [`View::mul_rows`] for several inputs at once (`outs[m]` for `inputs[m]`): float32
-    /// rows are read once for all of them ([`crate::kernels::matvec::Kernel::mul_rows_batch`]),
-    /// each result bit-identical to `mul_rows`'s; blocks run input by input.
+    /// [`View::mul_rows`] for several inputs at once (`outs[m]` for `inputs[m]`): rows are
+    /// read once for all of them ([`crate::kernels::matvec::Kernel::mul_rows_batch`],
+    /// [`QMatrix::mul_rows_batch`]), each result bit-identical to `mul_rows`'s.
     pub fn mul_rows_batch(&self, inputs: &[Input<'_>], first: usize, outs: &mut [&mut [f32]]) {
         match self {
             View::Float { guard, start, rows, cols } => {
@@ -234,10 +234,9 @@ impl View<'_> {
                 let xs: Vec<&[f32]> = inputs.iter().map(|i| i.x).collect();
                 matvec::kernel().mul_rows_batch(w, &xs, first, outs);
             }
-            View::Quantized(_) => {
-                for (input, out) in inputs.iter().zip(outs.iter_mut()) {
-                    self.mul_rows(input, first, out);
-                }
+            View::Quantized(q) => {
+                let prepared: Vec<&QInput> = inputs.iter().map(|i| i.q.as_ref().expect("prepared for quantized rows")).collect();
+                q.mul_rows_batch(&prepared, first, outs);
             }
             View::Stack(parts) => {
                 let end = first + outs.first().map_or(0, |o| o.len());
