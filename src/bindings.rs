@@ -624,6 +624,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(held_bytes, m)?)?;
     m.add("BLOCK_LEN", crate::cache::BLOCK_LEN)?;
     m.add("SMALL_CHUNK", crate::model::SMALL_CHUNK)?;
+    m.add("PREFILL_CHUNK", crate::model::PREFILL_CHUNK)?;
     m.add_class::<KVCache>()?;
     m.add_class::<UpstreamModel>()?;
     m.add_class::<UpstreamKVCache>()?;

@@ -8,7 +8,7 @@
 """
 
 from . import upstream
-from ._core import BLOCK_LEN, SMALL_CHUNK, __version__, compiled_devices
+from ._core import BLOCK_LEN, PREFILL_CHUNK, SMALL_CHUNK, __version__, compiled_devices
 from ._default import default_model_path
 from .cache import KVCache, LayerView, held_bytes
 from .conversation import Conversation
@@ -26,7 +26,7 @@ from .errors import (
     PositionError,
     TokenIdError,
 )
-from .generation import GenerationResult, Piece, batch_generate, generate, generate_step, stream_generate
+from .generation import BatchGenerator, GenerationResult, Piece, batch_generate, generate, generate_step, stream_generate
 from .model import Model, ModelConfig, Sync, load, load_cache
 from .prompt_cache import PromptCache
 from .tokenizer import Tokenizer
@@ -36,12 +36,14 @@ __all__ = [
     "compiled_devices",
     "BLOCK_LEN",
     "SMALL_CHUNK",
+    "PREFILL_CHUNK",
     "held_bytes",
     "default_model_path",
     "load",
     "load_cache",
     "generate",
     "batch_generate",
+    "BatchGenerator",
     "stream_generate",
     "generate_step",
     "GenerationResult",

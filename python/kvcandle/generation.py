@@ -20,6 +20,7 @@ from .cache import KVCache
 from ._checks import check_int, refuse, show
 from ._ids import as_ids
 from .errors import InputError
+from ._core import PREFILL_CHUNK
 from .model import Model
 from .prompt_cache import PromptCache
 from .sampling import apply_repetition_penalty, check_settings, sample
@@ -93,6 +94,12 @@ class Piece:
     tokens: list[int]
     """Token ids generated since the previous piece (text may be held back across ids)."""
     finish_reason: Optional[str] = None
+    index: int = 0
+    """Which sequence the piece belongs to: the continuation's index with
+    ``stream_generate(..., n=...)``, the id :meth:`BatchGenerator.add` returned."""
+    result: Optional["GenerationResult"] = None
+    """On a sequence's last piece from ``stream_generate(..., n=...)`` and
+    :class:`BatchGenerator`: its whole result, its cache included."""
 
 
 def encode_prompt(model: Model, prompt: Prompt) -> list[int]:
@@ -283,10 +290,15 @@ def stream_generate(
     stop: Union[str, Sequence[str], None] = None,
     stats: Optional[Stats] = None,
     prompt_cache: Optional["PromptCache"] = None,
+    n: Optional[int] = None,
 ) -> Iterator[Piece]:
     """Yields the generated text piece by piece. A piece never ends inside a multi-byte
     character, and text that could begin a stop string is held back until it cannot;
     the pieces join to exactly :func:`generate`'s text.
+
+    With ``n``, the ``n`` continuations of :func:`generate` with ``n`` are streamed
+    together: each piece's ``index`` says whose it is, and each continuation's last
+    piece carries its ``finish_reason`` and its whole ``result`` (its cache included).
 
     Raises:
         InputError: the model has no tokenizer, the prompt is empty, or a setting is bad
@@ -295,6 +307,11 @@ def stream_generate(
             cache is touched. The message names the setting and its value.
         TypeError: the prompt is neither a str nor token ids.
     """
+    if n is not None:
+        n = check_int("n", n, minimum=1, rule="a positive int")
+        settings = check_settings(temperature, top_k, top_p, repetition_penalty, seed)
+        yield from _stream_n(model, prompt, n, max_tokens, cache, settings, stop, prompt_cache)
+        return
     ids, stops, max_tokens, cache = _prepare(model, prompt, max_tokens, stop, cache, prompt_cache)
     stats = stats if stats is not None else Stats()
     text = _Text(model, stops, max_tokens)
@@ -399,14 +416,35 @@ def _generate_n(
 ) -> list[GenerationResult]:
     """:func:`generate` with ``n``: the prompt once, then ``n`` forks in one batch."""
     settings = check_settings(*settings)
-    ids, stops, max_tokens, cache = _prepare(model, prompt, max_tokens, stop, cache, prompt_cache)
+    return _collect(_stream_n(model, prompt, n, max_tokens, cache, settings, stop, prompt_cache), n)
+
+
+def _stream_n(
+    model: Model, prompt: Prompt, n: int, max_tokens: object, cache: Optional[KVCache], settings: tuple, stop: object,
+    prompt_cache: Optional["PromptCache"],
+) -> Iterator[Piece]:
+    """The prompt run once on ``cache``; ``n`` forks of it decode together in a
+    :class:`BatchGenerator`, fork ``i`` sampling with seed ``seed + i``."""
+    ids, stops, max_tokens_, cache = _prepare(model, prompt, max_tokens, stop, cache, prompt_cache)
+    temperature, top_k, top_p, penalty, seed = settings
     clock = time.perf_counter()
     synced = model.sync(ids, cache, diverged="crop")
-    results = _decode_together(model, [(ids, cache.fork(), synced) for _ in range(n)], settings, stops, max_tokens, clock)
-    if prompt_cache is not None:
-        for r in results:
-            prompt_cache.insert(r.cache)  # type: ignore[arg-type]
-    return results
+    elapsed = time.perf_counter() - clock
+    batch = BatchGenerator(model)
+    for i in range(n):
+        each = (temperature, top_k, top_p, penalty, None if seed is None else seed + i)
+        batch._add_started(ids, cache.fork(), synced, elapsed, each, stops, max_tokens_, prompt_cache)
+    while batch:
+        yield from batch.step()
+
+
+def _collect(pieces: Iterator[Piece], n: int) -> list[GenerationResult]:
+    """Every sequence's result, in index order, from a stream of pieces of ``n``."""
+    results: dict[int, GenerationResult] = {}
+    for piece in pieces:
+        if piece.result is not None:
+            results[piece.index] = piece.result
+    return [results[i] for i in range(n)]
 
 
 def batch_generate(
@@ -422,8 +460,9 @@ def batch_generate(
     stop: Union[str, Sequence[str], None] = None,
 ) -> list[GenerationResult]:
     """Generates a continuation of each prompt (str or token ids, of any lengths), all
-    decoding together: one :meth:`kvcandle.Model.forward_batch` step per token for every
-    prompt still going. Each prompt is prefilled on its own cache first.
+    together in a :class:`BatchGenerator`: every step runs each prompt's next prefill
+    chunk and each started sequence's last token in one
+    :meth:`kvcandle.Model.forward_batch` call.
 
     Prompt ``i`` samples with seed ``seed + i``, and its result is exactly what
     ``generate(model, prompts[i], seed=seed + i, ...)`` gives alone (its ``cache`` is the
@@ -438,59 +477,197 @@ def batch_generate(
         raise TypeError(f"prompts must be a sequence of prompts (str or token ids), got {type(prompts).__name__}")
     if not prompts:
         raise InputError("prompts is empty: batch_generate needs at least one prompt")
-    settings = check_settings(temperature, top_k, top_p, repetition_penalty, seed)
-    prepared = []
+    check_settings(temperature, top_k, top_p, repetition_penalty, seed)
+    batch = BatchGenerator(model)
     for i, prompt in enumerate(prompts):
         try:
-            prepared.append(_prepare(model, prompt, max_tokens, stop, None, None))
+            batch.add(
+                prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                repetition_penalty=repetition_penalty, seed=None if seed is None else seed + i, stop=stop,
+            )
         except InputError as e:
             raise InputError(f"prompts[{i}]: {e}") from None
-    clock = time.perf_counter()
-    starts = [(ids, cache, model.sync(ids, cache, diverged="crop")) for ids, _, _, cache in prepared]
-    _, stops, max_tokens, _ = prepared[0]
-    return _decode_together(model, starts, settings, stops, max_tokens, clock)
+
+    def pieces() -> Iterator[Piece]:
+        while batch:
+            yield from batch.step()
+
+    return _collect(pieces(), len(prompts))
 
 
-def _decode_together(
-    model: Model, starts: list[tuple[list[int], KVCache, Any]], settings: tuple, stops: list[str], max_tokens: int, clock: float
-) -> list[GenerationResult]:
-    """Sequence ``i`` (its prompt ids, its cache holding them, and the sync that gave the
-    last prompt position's logits) sampled with seed ``seed + i``, every sequence still
-    going fed to the model together, one step per token."""
-    temperature, top_k, top_p, penalty, seed = settings
-    n = len(starts)
-    caches = [cache for _, cache, _ in starts]
-    samplers = [_Sampler((temperature, top_k, top_p, penalty, None if seed is None else seed + i), ids) for i, (ids, _, _) in enumerate(starts)]
-    texts = [_Text(model, stops, max_tokens) for _ in range(n)]
-    stats = [Stats(prompt_tokens=len(ids), prefill_tokens=s.ran, reused_tokens=s.kept) for ids, _, s in starts]
-    parts: list[list[str]] = [[] for _ in range(n)]
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    reasons: list[str] = ["length"] * n
-    logits = [s.logits for _, _, s in starts]
-    active = list(range(n))
-    while active:
-        fed: list[int] = []
-        for i in active:
-            token = samplers[i](logits[i])
-            piece, done = texts[i].add(token, caches[i])
+class _Sequence:
+    """One sequence of a :class:`BatchGenerator`: its prompt, cache, sampler, text and
+    stats, the ids still to run and the logits not sampled yet."""
+
+    def __init__(self, uid: int, ids: list[int], cache: KVCache, sampler: _Sampler, text: _Text, stats: Stats, prompt_cache: Optional[PromptCache]) -> None:
+        self.uid, self.ids, self.cache, self.sampler, self.text, self.stats = uid, ids, cache, sampler, text, stats
+        self.prompt_cache = prompt_cache
+        self.feed: list[int] = []  # ids to run next: the rest of the prompt, or the last token
+        self.logits: Optional[np.ndarray] = None  # the last position's, waiting to be sampled
+        self.elapsed = 0.0  # time of the steps since the last token came out
+        self.parts: list[str] = []
+        self.tokens: list[int] = []
+
+    def result(self, reason: str) -> GenerationResult:
+        return GenerationResult("".join(self.parts), list(self.tokens), reason, self.stats, cache=self.cache)
+
+
+class BatchGenerator:
+    """Continuous batching: sequences join and leave at any step, each with its own
+    prompt, cache and settings, and every step runs all of them in one
+    :meth:`kvcandle.Model.forward_batch` call (the weights read once for all rows).
+
+    A step runs, for each sequence still prefilling, the next chunk of its prompt (up
+    to :data:`kvcandle.PREFILL_CHUNK` tokens, as :meth:`kvcandle.Model.forward` chunks
+    it), and for each sequence generating, the token it sampled last; then it samples
+    every sequence whose prompt is done. A sequence's tokens are exactly what
+    :func:`generate` gives it alone with the same settings, whatever else is in the
+    batch. Adding or removing a sequence copies no keys or values.
+
+        batch = kvcandle.BatchGenerator(model)
+        a = batch.add("The capital of France is", max_tokens=20)
+        b = batch.add("Once upon a time", temperature=0.8, seed=1, stop=".")
+        while batch:
+            for piece in batch.step():
+                print(piece.index, piece.text, piece.finish_reason)
+
+    Each finished sequence's last piece carries ``finish_reason`` and ``result`` (its
+    :class:`GenerationResult`, with the cache holding the prompt and every generated
+    token but the last: ready for a :class:`kvcandle.PromptCache` or the next turn).
+
+    If a step raises (Ctrl-C included), every cache holds exactly its ``tokens`` and
+    the generator can step again.
+    """
+
+    def __init__(self, model: Model) -> None:
+        if not isinstance(model, Model):
+            raise TypeError(f"model must be a kvcandle.Model, got {type(model).__name__}")
+        if model.tokenizer is None:
+            raise InputError(f"{model.path} has no tokenizer, so text cannot be streamed")
+        self.model = model
+        self._seqs: dict[int, _Sequence] = {}
+        self._next = 0
+
+    def __len__(self) -> int:
+        """Sequences in the batch (prefilling or generating)."""
+        return len(self._seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def indices(self) -> list[int]:
+        """The ids of the sequences in the batch, in the order they were added."""
+        return list(self._seqs)
+
+    def add(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        repetition_penalty: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        cache: Optional[KVCache] = None,
+        prompt_cache: Optional[PromptCache] = None,
+    ) -> int:
+        """Adds a sequence; it starts at the next :meth:`step`. The settings are
+        :func:`generate`'s; ``cache`` (or the longest prefix ``prompt_cache`` holds) is
+        cropped to its common prefix with the prompt, and ``prompt_cache`` gets the
+        cache back when the sequence finishes. Returns the sequence's id (``index`` of
+        its pieces).
+
+        Raises:
+            InputError: a bad setting or an empty prompt (named with its value), or
+                ``cache`` already generating in this batch; nothing is added and no
+                cache changes.
+            PositionError: the prompt does not fit the context.
+            CacheError: ``cache`` belongs to another model.
+        """
+        settings = check_settings(temperature, top_k, top_p, repetition_penalty, seed)
+        ids, stops, max_tokens_, cache = _prepare(self.model, prompt, max_tokens, stop, cache, prompt_cache)
+        for other in self._seqs.values():
+            if other.cache is cache or other.cache._inner is cache._inner:
+                raise InputError(f"this cache is already generating in this batch (sequence {other.uid}): fork() it for another sequence")
+        keep = self.model._sync_start(ids, cache, "crop")
+        seq = self._new(ids, cache, settings, stops, max_tokens_, prompt_cache)
+        seq.stats.prefill_tokens, seq.stats.reused_tokens = len(ids) - keep, keep
+        seq.feed = ids[keep:]
+        return seq.uid
+
+    def _add_started(
+        self, ids: list[int], cache: KVCache, synced: Any, elapsed: float, settings: tuple, stops: list[str], max_tokens: int,
+        prompt_cache: Optional[PromptCache],
+    ) -> int:
+        """A sequence whose prompt already ran (``synced``: its last position's logits),
+        sampled at the next step; ``elapsed`` is its prefill's time."""
+        seq = self._new(ids, cache, settings, stops, max_tokens, prompt_cache)
+        seq.stats.prefill_tokens, seq.stats.reused_tokens = synced.ran, synced.kept
+        seq.logits, seq.elapsed = synced.logits, elapsed
+        return seq.uid
+
+    def _new(self, ids: list[int], cache: KVCache, settings: tuple, stops: list[str], max_tokens: int, prompt_cache: Optional[PromptCache]) -> _Sequence:
+        uid, self._next = self._next, self._next + 1
+        seq = _Sequence(uid, ids, cache, _Sampler(settings, ids), _Text(self.model, stops, max_tokens), Stats(prompt_tokens=len(ids)), prompt_cache)
+        self._seqs[uid] = seq
+        return seq
+
+    def remove(self, index: int) -> GenerationResult:
+        """Takes a sequence out now. Returns its result so far (``finish_reason``
+        "removed"; text held back for a possible stop string included); its cache holds
+        exactly its ``tokens`` (part of the prompt if it was still prefilling).
+
+        Raises:
+            InputError: no sequence with this id is in the batch.
+        """
+        seq = self._seqs.pop(index, None) if isinstance(index, int) else None
+        if seq is None:
+            raise InputError(f"no sequence {show(index)} in this batch: its sequences are {self.indices}")
+        last = seq.text.last("removed")
+        seq.parts.append(last.text)
+        seq.tokens.extend(last.tokens)
+        return seq.result("removed")
+
+    def step(self) -> list[Piece]:
+        """Runs one step for every sequence in the batch; returns the pieces of text it
+        let out, in the order the sequences were added (a finished sequence's last piece
+        carries ``finish_reason`` and ``result``; finished sequences leave the batch)."""
+        running = [s for s in self._seqs.values() if s.feed]
+        if running:
+            inputs = [s.feed[:PREFILL_CHUNK] for s in running]
+            clock = time.perf_counter()
+            out = self.model.forward_batch(inputs, [s.cache for s in running])
+            elapsed = time.perf_counter() - clock
+            for s, fed, logits in zip(running, inputs, out):
+                del s.feed[: len(fed)]
+                s.elapsed += elapsed
+                if not s.feed:
+                    s.logits = logits
+        pieces: list[Piece] = []
+        for s in list(self._seqs.values()):
+            if s.logits is None:
+                continue
+            clock = time.perf_counter()
+            token = s.sampler(s.logits)
+            s.logits = None
+            piece, done = s.text.add(token, s.cache)
+            s.stats.count(s.elapsed + time.perf_counter() - clock)
+            s.elapsed = 0.0
             if piece is not None:
-                parts[i].append(piece.text)
-                tokens[i].extend(piece.tokens)
+                s.parts.append(piece.text)
+                s.tokens.extend(piece.tokens)
+                pieces.append(Piece(piece.text, piece.tokens, index=s.uid))
             if done is None:
-                fed.append(i)
-            else:
-                reasons[i] = done
-                last = texts[i].last(done)
-                parts[i].append(last.text)
-                tokens[i].extend(last.tokens)
-        # every active sequence's time is the step's (they ran together)
-        elapsed = time.perf_counter() - clock
-        for i in active:
-            stats[i].count(elapsed)
-        clock = time.perf_counter()
-        if fed:
-            out = model.forward_batch([[samplers[i].history[-1]] for i in fed], [caches[i] for i in fed])
-            for i, row in zip(fed, out):
-                logits[i] = row
-        active = fed
-    return [GenerationResult("".join(parts[i]), tokens[i], reasons[i], stats[i], cache=caches[i]) for i in range(n)]
+                s.feed = [token]
+                continue
+            last = s.text.last(done)
+            s.parts.append(last.text)
+            s.tokens.extend(last.tokens)
+            del self._seqs[s.uid]
+            if s.prompt_cache is not None:
+                s.prompt_cache.insert(s.cache)
+            pieces.append(Piece(last.text, last.tokens, done, index=s.uid, result=s.result(done)))
+        return pieces

@@ -219,9 +219,16 @@ class Model:
             InputError: ``ids`` is empty, or ``diverged`` is neither "crop" nor "raise".
             And everything :meth:`forward` raises.
         """
+        wanted = as_ids(ids)
+        keep = self._sync_start(wanted, cache, diverged)
+        logits = self.forward(wanted[keep:], cache)
+        return Sync(kept=keep, ran=len(wanted) - keep, logits=logits)
+
+    def _sync_start(self, wanted: list[int], cache: KVCache, diverged: str) -> int:
+        """:meth:`sync` up to the run: checks everything, crops the cache to what it
+        keeps, and returns that count (``wanted[keep:]`` is what is left to run)."""
         if diverged not in ("crop", "raise"):
             raise InputError(f'diverged must be "crop" or "raise", got {diverged!r}')
-        wanted = as_ids(ids)
         self.check_sequence(wanted, cache)
         held = cache.tokens
         common = common_prefix(held, wanted)
@@ -233,8 +240,7 @@ class Model:
         keep = min(common, len(wanted) - 1)  # the last position always runs: its logits are the answer
         if keep < len(held):
             cache.crop(keep)
-        logits = self.forward(wanted[keep:], cache)
-        return Sync(kept=keep, ran=len(wanted) - keep, logits=logits)
+        return keep
 
     def prefill(self, ids: Ids, cache: KVCache) -> np.ndarray:
         """Makes ``cache`` hold exactly ``ids``, running only the tokens it lacks:

@@ -1,0 +1,193 @@
+"""``kvcandle.BatchGenerator`` (continuous batching) and ``stream_generate(..., n=...)``:
+sequences join and leave at any step with their own settings, long prompts prefill in
+chunks while other sequences keep generating, and every sequence's tokens are exactly
+what ``generate`` gives it alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcandle
+
+
+def alone(model, prompt, **settings):
+    return kvcandle.generate(model, prompt, **settings)
+
+
+def same(result, one):
+    return (result.text, result.tokens, result.finish_reason) == (one.text, one.tokens, one.finish_reason)
+
+
+def test_sequences_join_and_leave_at_any_step(default_model):
+    model = default_model
+    batch = kvcandle.BatchGenerator(model)
+    plans = {  # step at which each joins, its prompt and its settings
+        0: ("The capital of France is", dict(max_tokens=10)),
+        1: ("Once upon a time, a llama", dict(max_tokens=14, temperature=0.9, top_p=0.9, seed=3, stop=[" the"])),
+        4: ("def add(a, b):", dict(max_tokens=6, temperature=0.7, top_k=20, seed=8)),
+        5: ("1, 2, 3,", dict(max_tokens=9, repetition_penalty=1.3)),
+    }
+    ids, results, texts = {}, {}, {}
+    for step in range(200):
+        if step in plans:
+            prompt, settings = plans[step]
+            ids[batch.add(prompt, **settings)] = step
+        if not batch and step > max(plans):
+            break
+        for piece in batch.step():
+            texts[piece.index] = texts.get(piece.index, "") + piece.text
+            if piece.finish_reason is not None:
+                results[piece.index] = piece.result
+    assert not batch and sorted(results) == sorted(ids) == [0, 1, 2, 3]
+    for uid, step in ids.items():
+        prompt, settings = plans[step]
+        r, one = results[uid], alone(model, prompt, **settings)
+        assert same(r, one), (prompt, r.text, one.text)
+        assert texts[uid] == r.text  # the pieces join to the result
+        fed = r.tokens if r.finish_reason == "eos" else r.tokens[:-1]
+        assert r.cache.tokens == model.tokenizer.encode(prompt) + fed
+        assert r.stats.generated_tokens == len(r.tokens) + (r.finish_reason == "eos")
+
+
+def test_a_long_prompt_prefills_in_chunks_while_others_generate(default_model):
+    model = default_model
+    long_prompt = model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 60)
+    assert len(long_prompt) > 2 * kvcandle.PREFILL_CHUNK
+    batch = kvcandle.BatchGenerator(model)
+    short = batch.add("The capital of France is", max_tokens=8)
+    batch.step()  # the short one is generating
+    long = batch.add(long_prompt, max_tokens=4)
+    steps_before_long = 0
+    pieces_meanwhile = 0
+    results = {}
+    while batch:
+        out = batch.step()
+        if not any(p.index == long for p in out) and long not in results:
+            steps_before_long += 1
+            pieces_meanwhile += sum(p.index == short for p in out)
+        for p in out:
+            if p.result is not None:
+                results[p.index] = p.result
+    # the long prompt took several steps (one chunk each), and the short sequence went on
+    assert steps_before_long >= len(long_prompt) // kvcandle.PREFILL_CHUNK
+    assert pieces_meanwhile >= 2
+    assert same(results[long], alone(model, long_prompt, max_tokens=4))
+    assert same(results[short], alone(model, "The capital of France is", max_tokens=8))
+    assert results[long].stats.prefill_tokens == len(long_prompt)
+
+
+def test_remove_hands_back_a_consistent_cache(default_model):
+    model = default_model
+    batch = kvcandle.BatchGenerator(model)
+    prompt = model.tokenizer.encode("Once upon a time")
+    keep = batch.add(prompt, max_tokens=20)
+    gone = batch.add(prompt, max_tokens=20, temperature=1.0, seed=4)
+    for _ in range(5):
+        batch.step()
+    r = batch.remove(gone)
+    assert r.finish_reason == "removed" and len(r.tokens) == 5
+    assert r.cache.tokens == prompt + r.tokens[:-1]  # the last sampled token was never run
+    assert batch.indices == [keep]
+    # its cache goes on where it stopped, as any cache does
+    model.forward(r.tokens[-1:], r.cache)
+    assert r.cache.tokens == prompt + r.tokens
+    with pytest.raises(kvcandle.InputError, match="no sequence 1 in this batch"):
+        batch.remove(gone)
+    # removed while still prefilling: the cache holds a prefix of the prompt
+    long = model.tokenizer.encode("word " * 600)
+    early = batch.add(long, max_tokens=3)
+    batch.step()
+    r = batch.remove(early)
+    assert r.tokens == [] and r.text == "" and 0 < len(r.cache) < len(long) and r.cache.tokens == long[: len(r.cache)]
+    while batch:
+        batch.step()
+
+
+def test_bad_settings_and_a_cache_given_twice_are_refused_before_anything_runs(default_model):
+    model = default_model
+    batch = kvcandle.BatchGenerator(model)
+    cache = model.new_cache()
+    model.forward([1, 2, 3], cache)
+    for bad, name in ((dict(temperature=-1), "temperature"), (dict(top_p=2.0), "top_p"), (dict(max_tokens=0), "max_tokens"), (dict(seed=-3), "seed"), (dict(stop=[""]), "stop")):
+        with pytest.raises(kvcandle.InputError, match=name):
+            batch.add([1, 2, 9], cache=cache, **bad)
+    assert len(batch) == 0 and cache.tokens == [1, 2, 3]
+    with pytest.raises(kvcandle.InputError, match="empty"):
+        batch.add("")
+    batch.add([1, 2, 9], cache=cache)
+    with pytest.raises(kvcandle.InputError, match="already generating in this batch"):
+        batch.add([1, 2, 7], cache=cache)
+    with pytest.raises(kvcandle.PositionError):
+        batch.add(list(range(1, model.config.max_position_embeddings + 2)))
+    with pytest.raises(TypeError, match="model"):
+        kvcandle.BatchGenerator("not a model")
+    assert len(batch) == 1
+
+
+def test_an_interrupted_step_leaves_every_cache_consistent(default_model, monkeypatch):
+    model = default_model
+    batch = kvcandle.BatchGenerator(model)
+    a = batch.add("The capital of France is", max_tokens=6)
+    b = batch.add("Once upon a time", max_tokens=6, temperature=0.8, seed=2)
+    batch.step()
+    batch.step()
+    real = model.forward_batch
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward_batch", interrupted)
+    seqs = {s.uid: s for s in batch._seqs.values()}
+    before = {uid: list(s.cache.tokens) for uid, s in seqs.items()}
+    with pytest.raises(KeyboardInterrupt):
+        batch.step()
+    assert {uid: s.cache.tokens for uid, s in seqs.items()} == before
+    results = {}
+    while batch:
+        for p in batch.step():
+            if p.result is not None:
+                results[p.index] = p.result
+    assert same(results[a], alone(model, "The capital of France is", max_tokens=6))
+    assert same(results[b], alone(model, "Once upon a time", max_tokens=6, temperature=0.8, seed=2))
+
+
+def test_stream_generate_n_streams_what_generate_n_returns(default_model):
+    model = default_model
+    settings = dict(max_tokens=10, temperature=0.9, seed=21)
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    results = {}
+    for piece in kvcandle.stream_generate(model, "Once upon a time, a llama", n=3, **settings):
+        texts[piece.index] = texts.get(piece.index, "") + piece.text
+        if piece.finish_reason is not None:
+            reasons[piece.index] = piece.finish_reason
+            results[piece.index] = piece.result
+    many = kvcandle.generate(model, "Once upon a time, a llama", n=3, **settings)
+    assert sorted(texts) == [0, 1, 2]
+    for i, r in enumerate(many):
+        assert texts[i] == r.text and reasons[i] == r.finish_reason and results[i].tokens == r.tokens
+    with pytest.raises(kvcandle.InputError, match="n"):
+        next(kvcandle.stream_generate(model, "a", n=0))
+
+
+def test_finished_caches_go_into_the_prompt_cache(default_model):
+    model = default_model
+    pc = kvcandle.PromptCache(model, max_bytes=1 << 30)
+    batch = kvcandle.BatchGenerator(model)
+    prompt = model.tokenizer.encode("The capital of France is")
+    batch.add(prompt, max_tokens=3, prompt_cache=pc)
+    while batch:
+        batch.step()
+    assert len(pc) == 1
+    # a second sequence with the same prompt starts from it: only the last position runs
+    batch.add(prompt, max_tokens=3, prompt_cache=pc)
+    while batch:
+        for p in batch.step():
+            if p.result is not None:
+                assert p.result.stats.reused_tokens == len(prompt) - 1
+                assert np.isfinite(p.result.stats.prefill_tps)
