@@ -10,6 +10,7 @@
 from . import upstream
 from ._core import BLOCK_LEN, PREFILL_CHUNK, SMALL_CHUNK, __version__, compiled_devices
 from ._default import default_model_path
+from .beam import beam_search
 from .cache import KVCache, LayerView, held_bytes
 from .conversation import Conversation
 from .errors import (
@@ -44,6 +45,7 @@ __all__ = [
     "generate",
     "batch_generate",
     "BatchGenerator",
+    "beam_search",
     "stream_generate",
     "generate_step",
     "GenerationResult",

@@ -70,8 +70,12 @@ class GenerationResult:
     """"eos", "stop" (a stop string), "length" (max_tokens) or "context" (cache full)."""
     stats: Stats = field(default_factory=Stats)
     cache: Optional[KVCache] = None
-    """With ``generate(..., n=...)`` and ``batch_generate``: the cache of this
-    continuation (the prompt and every generated token but the last)."""
+    """With ``generate(..., n=...)``, ``batch_generate``, :class:`BatchGenerator` and
+    :func:`kvcandle.beam_search`: the cache of this continuation (the prompt and every
+    generated token but the last)."""
+    score: Optional[float] = None
+    """With :func:`kvcandle.beam_search`: the hypothesis's summed log-probability divided
+    by its length to the power ``length_penalty``."""
 
     @property
     def prompt_tokens(self) -> int:
