@@ -8,6 +8,10 @@ per second all sequences together decode, as a median over rounds, and the ratio
 B = 1 of the same run. Batch sizes take turns within each round. Printed with them:
 the CPU's SIMD features and the thread count.
 
+Then the same small-M case inside one sequence: the time of a chunk of k = 2, 4, 8
+tokens (rows of one step up to ``kvcandle.SMALL_CHUNK``) and of 16 (the prefill path)
+after 300 tokens, in decode steps of the same run (chunk sizes in turns, medians).
+
 With llama-cpp-python installed, llama.cpp's batched decode runs beside it on the same
 model (float32: the Q4_1 file written as an all-float32 GGUF by llama.cpp's quantizer;
 ``quantized=True``: the Q4_1 file): the prompt decoded on sequence 0 and its cache cells
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 BATCHES = (1, 2, 4, 8)
+CHUNKS = (1, 2, 4, 8, 16)
 
 
 def cpu_features() -> str:
@@ -101,6 +106,21 @@ def llama_cpp_batched(path: str, context: int, steps: int, rounds: int, threads:
     return {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
 
 
+def chunk_costs(model, rng, rounds: int) -> dict[int, float]:
+    """Median seconds of a chunk of k tokens after 300, for each k in CHUNKS."""
+    base = model.new_cache()
+    model.forward(rng.integers(0, 49152, 300).tolist(), base)
+    times: dict[int, list[float]] = {k: [] for k in CHUNKS}
+    for _ in range(3 * rounds):
+        for k in CHUNKS:
+            cache = base.fork()
+            ids = rng.integers(0, 49152, k).tolist()
+            t = time.perf_counter()
+            model.forward(ids, cache)
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -128,6 +148,9 @@ def main() -> None:
     for quantized in (False, True):
         model = kvcandle.load(quantized=quantized)
         name = "quantized=True" if quantized else "float32"
+        cost = chunk_costs(model, rng, args.rounds)
+        print(f"kvcandle {name}, a chunk of k tokens after 300, in decode steps ({cost[1] * 1e3:.1f} ms): "
+              + ", ".join(f"k={k} {cost[k] / cost[1]:.2f}" for k in CHUNKS[1:]))
         for context in (16, 2000):
             base = model.new_cache()
             model.forward(rng.integers(0, 49152, context).tolist(), base)

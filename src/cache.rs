@@ -22,7 +22,7 @@ use half::slice::HalfFloatSliceExt;
 
 use candle_core::{DType, Device, Storage, Tensor};
 
-use crate::kernels::attention::{decode_attention, prefill_attention, prefill_attention_half, LayerKv};
+use crate::kernels::attention::{decode_attention_rows, prefill_attention, prefill_attention_half, LayerKv};
 
 /// A tensor's storage, locked for reading, and its layout.
 type Locked<'g> = (std::sync::RwLockReadGuard<'g, Storage>, &'g candle_core::Layout);
@@ -108,6 +108,51 @@ pub struct KvCache {
     blocks: Vec<Arc<Block>>,
     /// The ids whose keys and values the cache holds; its length is the cache length.
     tokens: Vec<u32>,
+}
+
+/// Each block's keys and values as slices of its CPU storage (None elsewhere).
+#[allow(clippy::type_complexity)]
+fn slices<'g, T: candle_core::WithDType>(guards: &'g [[Locked<'g>; 2]]) -> Result<Option<Vec<(&'g [T], &'g [T])>>> {
+    let mut out = Vec::with_capacity(guards.len());
+    for [(ks, kl), (vs, vl)] in guards {
+        let (Storage::Cpu(k), Storage::Cpu(v)) = (&**ks, &**vs) else { return Ok(None) };
+        out.push((&k.as_slice::<T>()?[kl.start_offset()..], &v.as_slice::<T>()?[vl.start_offset()..]));
+    }
+    Ok(Some(out))
+}
+
+/// Attention of several new positions at once: row r's queries `qs[r]` (heads, head_dim)
+/// over the first `lens[r]` positions of `caches[r]`'s `layer`, in one job for the team
+/// ([`decode_attention_rows`]); each row's result is what it is alone. Rows of
+/// float32 and of float16 caches run as two such jobs. None when a cache is neither, or
+/// not in CPU memory.
+pub(crate) fn attend_rows(caches: &[&KvCache], layer: usize, qs: &[&[f32]], lens: &[usize]) -> Result<Option<Vec<Vec<f32>>>> {
+    if caches.iter().any(|c| !c.layout.device.is_cpu() || !matches!(c.layout.dtype, DType::F32 | DType::F16)) {
+        return Ok(None);
+    }
+    let guards: Vec<_> = caches.iter().zip(lens).map(|(c, &len)| c.guards(layer, len)).collect();
+    let mut out = vec![Vec::new(); caches.len()];
+    macro_rules! group {
+        ($dtype:pat, $t:ty) => {{
+            let rows: Vec<usize> = (0..caches.len()).filter(|&r| matches!(caches[r].layout.dtype, $dtype)).collect();
+            let mut kvs = Vec::with_capacity(rows.len());
+            for &r in &rows {
+                let Some(blocks) = slices::<$t>(&guards[r])? else { return Ok(None) };
+                let layout = &caches[r].layout;
+                kvs.push(LayerKv { blocks, block_len: BLOCK_LEN, kv_heads: layout.kv_heads, len: lens[r], head_dim: layout.head_dim });
+            }
+            if !rows.is_empty() {
+                let refs: Vec<&LayerKv<'_, $t>> = kvs.iter().collect();
+                let row_qs: Vec<&[f32]> = rows.iter().map(|&r| qs[r]).collect();
+                for (&r, y) in rows.iter().zip(decode_attention_rows(&row_qs, &refs)) {
+                    out[r] = y;
+                }
+            }
+        }};
+    }
+    group!(DType::F32, f32);
+    group!(DType::F16, half::f16);
+    Ok(Some(out))
 }
 
 impl KvCache {
@@ -306,16 +351,6 @@ impl KvCache {
         Ok((join(used.iter().map(|b| &b.keys[layer]).collect())?, join(used.iter().map(|b| &b.values[layer]).collect())?))
     }
 
-    /// Attention of one new position's queries `q` (heads, head_dim) over `layer`'s first
-    /// `len` positions, read in place from the blocks ([`crate::kernels::attention`]). None when
-    /// the cache is not float32 in CPU memory (the caller then uses candle's ops).
-    pub(crate) fn attend_one(&self, layer: usize, q: &[f32], len: usize) -> Result<Option<Vec<f32>>> {
-        self.with_layer(layer, len, |kv| match kv {
-            Kv::F32(kv) => decode_attention(q, kv),
-            Kv::F16(kv) => decode_attention(q, kv),
-        })
-    }
-
     /// Causal attention of `seq` new positions' queries `q` (heads, seq, head_dim), the
     /// last `seq` of `layer`'s first `len` positions, over everything they may see; (seq,
     /// heads * head_dim) ([`crate::kernels::attention::prefill_attention`]). None when the cache is
@@ -330,27 +365,22 @@ impl KvCache {
     /// Runs `f` over `layer`'s first `len` positions read in place from the blocks; None
     /// when the cache is not float32 or float16 in CPU memory.
     fn with_layer<R>(&self, layer: usize, len: usize, f: impl FnOnce(Kv<'_>) -> R) -> Result<Option<R>> {
-        let used = &self.blocks[..len.div_ceil(BLOCK_LEN)];
         if !self.layout.device.is_cpu() {
             return Ok(None);
         }
-        let guards: Vec<_> = used.iter().map(|b| [b.keys[layer].storage_and_layout(), b.values[layer].storage_and_layout()]).collect();
-        /// Each block's keys and values as slices of its CPU storage (None elsewhere).
-        #[allow(clippy::type_complexity)]
-        fn slices<'g, T: candle_core::WithDType>(guards: &'g [[Locked<'g>; 2]]) -> Result<Option<Vec<(&'g [T], &'g [T])>>> {
-            let mut out = Vec::with_capacity(guards.len());
-            for [(ks, kl), (vs, vl)] in guards {
-                let (Storage::Cpu(k), Storage::Cpu(v)) = (&**ks, &**vs) else { return Ok(None) };
-                out.push((&k.as_slice::<T>()?[kl.start_offset()..], &v.as_slice::<T>()?[vl.start_offset()..]));
-            }
-            Ok(Some(out))
-        }
+        let guards = self.guards(layer, len);
         let (kv_heads, head_dim) = (self.layout.kv_heads, self.layout.head_dim);
         Ok(match self.layout.dtype {
             DType::F32 => slices::<f32>(&guards)?.map(|blocks| f(Kv::F32(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
             DType::F16 => slices::<half::f16>(&guards)?.map(|blocks| f(Kv::F16(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
             _ => None,
         })
+    }
+
+    /// Read locks on the storage of `layer`'s keys and values in the blocks of the first
+    /// `len` positions.
+    fn guards(&self, layer: usize, len: usize) -> Vec<[Locked<'_>; 2]> {
+        self.blocks[..len.div_ceil(BLOCK_LEN)].iter().map(|b| [b.keys[layer].storage_and_layout(), b.values[layer].storage_and_layout()]).collect()
     }
 
     /// Records the ids whose keys and values were just written.

@@ -19,13 +19,16 @@ static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
 /// Longest run of tokens one pass handles; longer inputs are split (see `Llama::forward`).
 pub const PREFILL_CHUNK: usize = 256;
 
-/// A fresh identity for a loaded model; caches remember the model that made them.
 /// Chunks of up to this many tokens run as rows of a single-token step
 /// ([`Llama::decode_rows`]): the weights read once for all rows, each row's arithmetic
 /// that of a decode step. Longer ones take the prefill path (matrix products tiled for
-/// many rows, attention for a whole chunk at once).
-pub const SMALL_CHUNK: usize = 8;
+/// many rows, attention for a whole chunk at once). Measured on the default model after
+/// 300 tokens (2 threads, Xeon), in decode steps, rows against the prefill path: float32
+/// 8 tokens 1.38 against 2.24, 16 2.00 against 2.61, 32 3.09 against 3.37; quantized 16
+/// 5.4 against 10.2, 32 10.5 against 12.2 (the prefill path dequantizes every matrix).
+pub const SMALL_CHUNK: usize = 32;
 
+/// A fresh identity for a loaded model; caches remember the model that made them.
 pub(crate) fn next_model_id() -> u64 {
     NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed)
 }

@@ -181,48 +181,76 @@ pub fn decode_attention<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>) -> Vec<f32> {
     attend_with(q, kv, chunk::<T>)
 }
 
+/// [`decode_attention`] for several rows at once (row r: query `qs[r]` over `kvs[r]`), in
+/// one job for the team: a task takes one (KV head, chunk of positions) for a group of
+/// rows, one row after the other, so rows that read the same blocks (the tokens of one
+/// chunk, forks of one prompt) find them in the core's cache. Each row's arithmetic is
+/// exactly [`decode_attention`]'s.
+pub fn decode_attention_rows<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>]) -> Vec<Vec<f32>> {
+    attend_rows_with(qs, kvs, chunk::<T>)
+}
+
 type ChunkFn<T> = fn(&[f32], &LayerKv<'_, T>, usize, std::ops::Range<usize>) -> Vec<Partial>;
 
 /// [`decode_attention`] with a given chunk kernel (each instruction-set version is tested).
 fn attend_with<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, chunk: ChunkFn<T>) -> Vec<f32> {
-    let d = kv.head_dim;
-    let n_rep = q.len() / d / kv.kv_heads;
-    merge_tasks(q, kv.kv_heads, kv.len, d, &|h, positions| chunk(&q[h * n_rep * d..(h + 1) * n_rep * d], kv, h, positions))
+    attend_rows_with(&[q], &[kv], chunk).pop().expect("one row")
 }
 
-type TaskFn<'a> = dyn Fn(usize, std::ops::Range<usize>) -> Vec<Partial> + Sync + 'a;
+/// Tasks per thread the rows' attention is split into at least (rows are grouped so).
+const TASKS_PER_THREAD: usize = 4;
 
-/// Runs `task(kv head, positions)` for every chunk of every KV head on the team and merges
-/// each query head's chunks as an online softmax does. Returns (heads, head_dim).
-fn merge_tasks(q: &[f32], kv_heads: usize, len: usize, d: usize, task: &TaskFn<'_>) -> Vec<f32> {
-    let heads = q.len() / d;
+/// [`decode_attention_rows`] with a given chunk kernel: every (row group, KV head, chunk)
+/// task on the team, then each query head's chunks merged as an online softmax does.
+fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: ChunkFn<T>) -> Vec<Vec<f32>> {
+    let (rows, d, kv_heads) = (qs.len(), kvs[0].head_dim, kvs[0].kv_heads);
+    debug_assert!(kvs.iter().all(|kv| kv.head_dim == d && kv.kv_heads == kv_heads) && kvs.len() == rows);
+    let heads = qs[0].len() / d;
     let n_rep = heads / kv_heads;
-    let chunks = len.div_ceil(CHUNK).max(1);
-    let tasks: Vec<OnceLock<Vec<Partial>>> = (0..kv_heads * chunks).map(|_| OnceLock::new()).collect();
-    Team::global().run(tasks.len(), &|t| {
-        let (h, c) = (t / chunks, t % chunks);
-        let positions = c * CHUNK..((c + 1) * CHUNK).min(len);
-        let _ = tasks[t].set(task(h, positions));
+    let chunks_of = |r: usize| kvs[r].len.div_ceil(CHUNK).max(1);
+    let chunks = (0..rows).map(chunks_of).max().unwrap_or(1);
+    let team = Team::global();
+    let groups = (TASKS_PER_THREAD * team.threads()).div_ceil(kv_heads * chunks).clamp(1, rows.max(1));
+    let per_group = rows.div_ceil(groups);
+    let tasks: Vec<OnceLock<Vec<Vec<Partial>>>> = (0..groups * kv_heads * chunks).map(|_| OnceLock::new()).collect();
+    team.run(tasks.len(), &|t| {
+        let (g, h, c) = (t / (kv_heads * chunks), t / chunks % kv_heads, t % chunks);
+        let parts = (g * per_group..((g + 1) * per_group).min(rows))
+            .map(|r| {
+                let len = kvs[r].len;
+                if c < chunks_of(r) {
+                    chunk(&qs[r][h * n_rep * d..(h + 1) * n_rep * d], kvs[r], h, c * CHUNK..((c + 1) * CHUNK).min(len))
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        let _ = tasks[t].set(parts);
     });
-    let tasks: Vec<Vec<Partial>> = tasks.into_iter().map(|t| t.into_inner().expect("every task ran")).collect();
-    let mut out = vec![0.0f32; heads * d];
-    for h in 0..kv_heads {
-        for r in 0..n_rep {
-            let parts = (0..chunks).map(|c| &tasks[h * chunks + c][r]);
-            let max = parts.clone().fold(f32::NEG_INFINITY, |m, p| m.max(p.max));
-            let y = &mut out[(h * n_rep + r) * d..][..d];
-            let mut sum = 0.0f32;
-            for p in parts {
-                let w = (p.max - max).exp();
-                sum += p.sum * w;
-                for (o, a) in y.iter_mut().zip(&p.acc) {
-                    *o += w * a;
+    let tasks: Vec<Vec<Vec<Partial>>> = tasks.into_iter().map(|t| t.into_inner().expect("every task ran")).collect();
+    (0..rows)
+        .map(|r| {
+            let (g, i) = (r / per_group, r % per_group);
+            let mut out = vec![0.0f32; heads * d];
+            for h in 0..kv_heads {
+                for rep in 0..n_rep {
+                    let parts = (0..chunks_of(r)).map(|c| &tasks[(g * kv_heads + h) * chunks + c][i][rep]);
+                    let max = parts.clone().fold(f32::NEG_INFINITY, |m, p| m.max(p.max));
+                    let y = &mut out[(h * n_rep + rep) * d..][..d];
+                    let mut sum = 0.0f32;
+                    for p in parts {
+                        let w = (p.max - max).exp();
+                        sum += p.sum * w;
+                        for (o, a) in y.iter_mut().zip(&p.acc) {
+                            *o += w * a;
+                        }
+                    }
+                    y.iter_mut().for_each(|o| *o /= sum);
                 }
             }
-            y.iter_mut().for_each(|o| *o /= sum);
-        }
-    }
-    out
+            out
+        })
+        .collect()
 }
 
 /// One (KV head, chunk of positions) task, on the best instruction set the CPU has.
@@ -893,6 +921,43 @@ mod tests {
                     let want = reference(&qi, &whole.first(len - seq + i + 1));
                     let err = got[i * heads * d..][..heads * d].iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
                     assert!(err < 1e-5, "prefill case {case}, blocks of {block_len}, position {i}: max error {err}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_together_equal_each_row_alone() {
+        // rows over one set of blocks with different lengths (a chunk's tokens, forks of
+        // one prompt) and over other blocks, many rows and few: each row bit for bit what
+        // it gives alone, on every path
+        let (kv_heads, n_rep, d, block_len) = (3, 3, 64, 64);
+        let len = 2 * CHUNK + 37;
+        let keys = random(kv_heads * len * d, 7);
+        let values = random(kv_heads * len * d, 8);
+        let other_keys = random(kv_heads * 40 * d, 9);
+        let other_values = random(kv_heads * 40 * d, 10);
+        let (kb, vb) = (blocks_of(&keys, kv_heads, len, d, block_len), blocks_of(&values, kv_heads, len, d, block_len));
+        let (ob, ovb) = (blocks_of(&other_keys, kv_heads, 40, d, block_len), blocks_of(&other_values, kv_heads, 40, d, block_len));
+        let shared = |n: usize| LayerKv { blocks: kb.iter().zip(&vb).map(|(k, v)| (&k[..], &v[..])).take(n.div_ceil(block_len)).collect(), block_len, kv_heads, len: n, head_dim: d };
+        let other = LayerKv { blocks: ob.iter().zip(&ovb).map(|(k, v)| (&k[..], &v[..])).collect(), block_len, kv_heads, len: 40, head_dim: d };
+        let mut kvs: Vec<LayerKv<'_>> = [1, len - 7, len, CHUNK, CHUNK + 1, 300, len - 1, 65, 2].iter().map(|&n| shared(n)).collect();
+        kvs.insert(3, other);
+        let qs: Vec<Vec<f32>> = (0..kvs.len()).map(|r| random(kv_heads * n_rep * d, 20 + r as u64)).collect();
+        for k in Kernel::available() {
+            let f: ChunkFn<f32> = match k {
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Avx512 => |q, kv, h, p| unsafe { chunk_avx512(q, kv, h, p) },
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Avx2 => |q, kv, h, p| unsafe { chunk_avx2(q, kv, h, p) },
+                _ => chunk_portable,
+            };
+            for rows in [1, 2, 4, kvs.len()] {
+                let q_refs: Vec<&[f32]> = qs[..rows].iter().map(|q| &q[..]).collect();
+                let kv_refs: Vec<&LayerKv<'_>> = kvs[..rows].iter().collect();
+                let together = attend_rows_with(&q_refs, &kv_refs, f);
+                for r in 0..rows {
+                    assert_eq!(together[r], attend_with(&qs[r], &kvs[r], f), "{k:?}, {rows} rows, row {r}");
                 }
             }
         }

@@ -11,6 +11,7 @@
 //! the rows are read from memory once and from the core's cache after that.
 
 use super::*;
+use crate::cache::attend_rows;
 use crate::linear::{Input, View};
 use crate::kernels::team::{Shards, Team};
 
@@ -42,26 +43,25 @@ impl Llama {
         let mut xn = vec![vec![0f32; c.hidden_size]; n];
         let mut qkv = vec![vec![0f32; (heads + 2 * kv_heads) * d]; n];
         let mut h = vec![vec![0f32; c.intermediate_size]; n];
-        let mut y = Vec::with_capacity(n);
         for (i, layer) in self.layers.iter().enumerate() {
             for (x, xn) in x.iter().zip(xn.iter_mut()) {
                 layer.input_layernorm.apply(x, xn);
             }
             let qkv_proj = &layer.attn.qkv;
             products(team, &view(qkv_proj)?, &prepared(qkv_proj, &xn), &mut qkv, false);
-            y.clear();
             for (row, &(b, p)) in qkv.iter_mut().zip(&rows) {
                 let (q, kv) = row.split_at_mut(heads * d);
                 let (k, v) = kv.split_at_mut(kv_heads * d);
                 self.rope.rotate(q, p);
                 self.rope.rotate(k, p);
                 caches[b].write_at(i, p, k, v)?;
-                y.push(
-                    caches[b]
-                        .attend_one(i, q, p + 1)?
-                        .ok_or_else(|| Error::Cache("the single-token step needs a float32 or float16 cache in CPU memory".into()))?,
-                );
             }
+            // every row over its own sequence's positions up to itself, in one job
+            let row_caches: Vec<&KvCache> = rows.iter().map(|&(b, _)| &*caches[b]).collect();
+            let qs: Vec<&[f32]> = qkv.iter().map(|row| &row[..heads * d]).collect();
+            let lens: Vec<usize> = rows.iter().map(|&(_, p)| p + 1).collect();
+            let y = attend_rows(&row_caches, i, &qs, &lens)?
+                .ok_or_else(|| Error::Cache("the single-token step needs a float32 or float16 cache in CPU memory".into()))?;
             let o = &layer.attn.o_proj;
             products(team, &view(o)?, &prepared(o, &y), &mut x, true);
             for (x, xn) in x.iter().zip(xn.iter_mut()) {
