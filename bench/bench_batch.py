@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 BATCHES = (1, 2, 4, 8)
-CHUNKS = (1, 2, 4, 8, 16)
+CHUNKS = (1, 2, 4, 8, 16, 32)
 
 
 def cpu_features() -> str:
