@@ -156,7 +156,8 @@ impl QMatrix {
             None => x.to_vec(),
         };
         let half_sums: Vec<f32> = seen.chunks(BLOCK / 2).map(|b| b.iter().sum()).collect();
-        QInput { x: x.to_vec(), half_sums, q8 }
+        let block_sums = half_sums.chunks(2).map(|p| p.iter().sum()).collect();
+        QInput { x: x.to_vec(), half_sums, block_sums, q8 }
     }
 
     /// Bytes of values of one row (for kept blocks: of its whole blocks).
@@ -287,6 +288,10 @@ impl QMatrix {
 pub struct QInput {
     x: Vec<f32>,
     half_sums: Vec<f32>,
+    /// the sums per 32 values (two half sums added), for the one-sub-block formats' x86-64
+    /// kernel
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    block_sums: Vec<f32>,
     q8: Option<(Vec<i8>, Vec<f32>)>,
 }
 
@@ -351,12 +356,15 @@ unsafe fn dot_q8_0_avx2<const M: usize>(row: Row<'_>, acts: &Acts<'_, M>) -> [f3
 
 /// `M` prepared inputs' int8 forms side by side, for the kernels that read a row once for
 /// all of them.
+#[cfg(target_arch = "x86_64")]
 struct Acts<'a, const M: usize> {
     xq: [&'a [i8]; M],
     xd: [&'a [f32]; M],
     half_sums: [&'a [f32]; M],
+    block_sums: [&'a [f32]; M],
 }
 
+#[cfg(target_arch = "x86_64")]
 impl<'a, const M: usize> Acts<'a, M> {
     /// None when an input has no int8 form (the integer kernels do not run).
     fn of(inputs: &[&'a QInput]) -> Option<Self> {
@@ -369,6 +377,7 @@ impl<'a, const M: usize> Acts<'a, M> {
             xq: std::array::from_fn(|m| &q8(m).0[..]),
             xd: std::array::from_fn(|m| &q8(m).1[..]),
             half_sums: std::array::from_fn(|m| &inputs[m].half_sums[..]),
+            block_sums: std::array::from_fn(|m| &inputs[m].block_sums[..]),
         })
     }
 }
@@ -621,52 +630,82 @@ unsafe fn dot_blocks_q8_avx2<const F: u8, const M: usize>(row: &[u8], acts: &Act
 }
 
 /// [`dot_blocks_q8_avx2`] for the formats whose block is one 32-value sub-block (Q4_0,
-/// Q4_1, Q5_0, Q5_1), where the general loop's work per block is most of the work: the
-/// block's two leading half-precision numbers widened together by F16C, one broadcast
-/// scale, the block's activation sum for the minimum, two blocks per step on independent
-/// accumulators, indices checked once up front. Each block is unpacked once for all `M`
-/// inputs.
+/// Q4_1, Q5_0, Q5_1), where the work per block and input is most of the work, so it is
+/// done for eight blocks at once: each block's 32 byte products summed to eight 32-bit
+/// lanes (`maddubs`, `madd`), the eight blocks' lanes folded by horizontal adds into one
+/// register holding one block's sum per lane, then one conversion and one multiply-add
+/// with the eight blocks' scales times the activations' eight scales; the minimums'
+/// terms likewise (eight minimums times the activations' eight block sums). The blocks'
+/// half-precision numbers are widened eight at a time and each block is unpacked once,
+/// for all `M` inputs. A row's last blocks (fewer than eight) run one by one.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by input and block
 unsafe fn dot_small_q8_avx2<const F: u8, const M: usize>(row: &[u8], acts: &Acts<'_, M>) -> [f32; M] {
     use std::arch::x86_64::*;
     let f = Format::from_id(F);
     let (bytes, n) = (f.block_bytes(), row.len() / f.block_bytes());
     assert!(f.block_values() == SUB);
-    assert!((0..M).all(|m| acts.xq[m].len() >= n * SUB && acts.xd[m].len() >= n && acts.half_sums[m].len() >= 2 * n));
+    assert!((0..M).all(|m| acts.xq[m].len() >= n * SUB && acts.xd[m].len() >= n && acts.block_sums[m].len() >= n));
     let ones = _mm256_set1_epi16(1);
-    let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M]);
-    let (mut offset0, mut offset1) = ([0f32; M], [0f32; M]);
-    // a macro, not a closure: closures are compiled without the function's target features
-    macro_rules! block {
-        ($b:expr, $acc:ident, $offset:ident) => {{
-            let b = $b;
-            let block = row.as_ptr().add(b * bytes);
-            _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(PREFETCH) as *const i8);
-            let halves = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(block as *const i32)));
-            let (d, second) = (_mm_cvtss_f32(halves), _mm_cvtss_f32(_mm_movehdup_ps(halves)));
-            let q = crate::kernels::blocks::values_avx2(f, std::slice::from_raw_parts(block, bytes), 0);
-            let min = f.small_min(d, second);
-            for m in 0..M {
-                let x = _mm256_loadu_si256(acts.xq[m].as_ptr().add(b * SUB) as *const __m256i);
-                let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
-                $acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * *acts.xd[m].get_unchecked(b)), $acc[m]);
-                let hs = acts.half_sums[m];
-                let sum = *hs.get_unchecked(2 * b) + *hs.get_unchecked(2 * b + 1);
-                $offset[m] += min * sum;
+    let (mut acc, mut offset) = ([_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M]);
+    let groups = n / 8;
+    for g in 0..groups {
+        let first = row.as_ptr().add(g * 8 * bytes);
+        _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(PREFETCH) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(PREFETCH + 64) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(PREFETCH + 128) as *const i8);
+        let (mut dh, mut sh) = ([0u16; 8], [0u16; 8]);
+        let mut q = [_mm256_setzero_si256(); 8];
+        for k in 0..8 {
+            let p = first.add(k * bytes);
+            dh[k] = std::ptr::read_unaligned(p as *const u16);
+            sh[k] = std::ptr::read_unaligned(p.add(2) as *const u16);
+            q[k] = crate::kernels::blocks::values_avx2(f, std::slice::from_raw_parts(p, bytes), 0);
+        }
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(dh.as_ptr() as *const __m128i));
+        let min = match f {
+            Format::Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(8.0)),
+            Format::Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(16.0)),
+            _ => _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128(sh.as_ptr() as *const __m128i))),
+        };
+        for m in 0..M {
+            let x = acts.xq[m].as_ptr().add(g * 8 * SUB);
+            // a macro, not a closure: closures are compiled without the function's target features
+            macro_rules! products {
+                ($k:literal) => {
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(q[$k], _mm256_loadu_si256(x.add($k * SUB) as *const __m256i)), ones)
+                };
             }
-        }};
+            let s01 = _mm256_hadd_epi32(products!(0), products!(1));
+            let s23 = _mm256_hadd_epi32(products!(2), products!(3));
+            let s45 = _mm256_hadd_epi32(products!(4), products!(5));
+            let s67 = _mm256_hadd_epi32(products!(6), products!(7));
+            // lanes: blocks 0..4's sums over their low 128 bits, then over their high
+            let (lo, hi) = (_mm256_hadd_epi32(s01, s23), _mm256_hadd_epi32(s45, s67));
+            // lane k: block k's whole sum
+            let sums = _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(lo, hi), _mm256_permute2x128_si256::<0x31>(lo, hi));
+            let scales = _mm256_mul_ps(d, _mm256_loadu_ps(acts.xd[m].as_ptr().add(g * 8)));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc[m]);
+            offset[m] = _mm256_fmadd_ps(min, _mm256_loadu_ps(acts.block_sums[m].as_ptr().add(g * 8)), offset[m]);
+        }
     }
-    let mut b = 0;
-    while b + 2 <= n {
-        block!(b, acc0, offset0);
-        block!(b + 1, acc1, offset1);
-        b += 2;
+    // the last blocks, one at a time
+    let (mut tail, mut tail_offset) = ([_mm256_setzero_ps(); M], [0f32; M]);
+    for b in groups * 8..n {
+        let p = row.as_ptr().add(b * bytes);
+        let halves = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)));
+        let (d, second) = (_mm_cvtss_f32(halves), _mm_cvtss_f32(_mm_movehdup_ps(halves)));
+        let q = crate::kernels::blocks::values_avx2(f, std::slice::from_raw_parts(p, bytes), 0);
+        let min = f.small_min(d, second);
+        for m in 0..M {
+            let x = _mm256_loadu_si256(acts.xq[m].as_ptr().add(b * SUB) as *const __m256i);
+            let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+            tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * *acts.xd[m].get_unchecked(b)), tail[m]);
+            tail_offset[m] += min * *acts.block_sums[m].get_unchecked(b);
+        }
     }
-    if b < n {
-        block!(b, acc0, offset0);
-    }
-    std::array::from_fn(|m| hsum(_mm256_add_ps(acc0[m], acc1[m])) - (offset0[m] + offset1[m]))
+    std::array::from_fn(|m| (hsum(acc[m]) - hsum(offset[m])) + (hsum(tail[m]) - tail_offset[m]))
 }
 
 /// Kept blocks against float32 activations (CPUs without AVX2), the same sums in float.
