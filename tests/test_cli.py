@@ -77,13 +77,13 @@ def test_chat_second_turn_runs_only_new_tokens(default_model, monkeypatch):
     import kvcandle.generation as g
 
     seen = []
-    real = g.generate_step
+    real = g._steps  # where every generation's tokens come from
 
-    def spy(model, prompt_ids, cache, **kw):
+    def spy(model, prompt_ids, cache, *args):
         seen.append((len(prompt_ids), len(cache)))
-        return real(model, prompt_ids, cache, **kw)
+        return real(model, prompt_ids, cache, *args)
 
-    monkeypatch.setattr(g, "generate_step", spy)
+    monkeypatch.setattr(g, "_steps", spy)
     code, out, err = run(["chat", "--max-tokens", "30"], stdin="Hi!\nWhat is 2+2?\n")
     assert code == 0, err
     (p1, c1), (p2, c2) = seen

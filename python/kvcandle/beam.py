@@ -19,7 +19,7 @@ beam's score at its current length cannot beat the worst finished one
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence, Union, overload
+from typing import Optional, Union, overload
 
 import numpy as np
 

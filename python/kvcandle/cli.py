@@ -18,6 +18,7 @@ from typing import IO, Iterable, Optional, Sequence
 from .conversation import Conversation
 from .errors import InputError, KVCandleError
 from .generation import Stats, encode_prompt, stream_generate
+from .speculative import Draft
 from .model import Model, load
 from .prompt_cache import PromptCache
 
@@ -79,12 +80,25 @@ def stats_line(stats: Stats, model: Model, cache) -> str:
     return (
         f"[prompt {stats.prompt_tokens} tok ({stats.prefill_tokens} run{reused}) | generated {stats.generated_tokens} tok | "
         f"prefill {stats.prefill_tps:.1f} tok/s | decode {stats.decode_tps:.1f} tok/s | "
-        f"cache {len(cache)}/{cache.max_length} pos, {human_bytes(cache.nbytes)}, keys {keys}]"
+        f"cache {len(cache)}/{cache.max_length} pos, {human_bytes(cache.nbytes)}, keys {keys}"
+        + (f" | drafted {stats.drafted_tokens}, kept {stats.accepted_tokens} ({stats.acceptance:.0%})" if stats.draft_rounds else "")
+        + "]"
     )
+
+
+def load_draft(args: argparse.Namespace, err: IO[str]) -> Optional[Draft]:
+    """``--draft``: "quantized" (the model's file with quantized=True), "prompt-lookup", or
+    a model path; None without it."""
+    if args.draft is None or args.draft == "prompt-lookup":
+        return args.draft
+    if args.draft == "quantized":
+        return load_with_progress(args.model, err, True)
+    return load_with_progress(args.draft, err, False)
 
 
 def cmd_generate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     model = load_with_progress(args.model, err, args.quantized)
+    draft = load_draft(args, err)
     ids = encode_prompt(model, args.prompt)
     prompt_cache = None
     if args.prompt_cache:
@@ -98,6 +112,7 @@ def cmd_generate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
         for piece in stream_generate(
             model, ids, max_tokens=args.max_tokens, cache=cache, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None, stats=stats,
+            draft=draft, num_draft=args.num_draft,
         ):
             out.write(piece.text)
             out.flush()
@@ -143,6 +158,7 @@ CHAT_HELP = """commands:
 
 def cmd_chat(args: argparse.Namespace, inp: IO[str], out: IO[str], err: IO[str]) -> int:
     model = load_with_progress(args.model, err, args.quantized)
+    draft = load_draft(args, err)
     try:
         chat = Conversation(model, system=args.system)
     except InputError as e:
@@ -189,7 +205,7 @@ def cmd_chat(args: argparse.Namespace, inp: IO[str], out: IO[str], err: IO[str])
             out.flush()
             continue
 
-        pieces = chat.stream(text, max_tokens=args.max_tokens, temperature=args.temperature)
+        pieces = chat.stream(text, max_tokens=args.max_tokens, temperature=args.temperature, draft=draft, num_draft=args.num_draft)
         try:
             for piece in pieces:
                 out.write(piece.text)
@@ -251,6 +267,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--prompt-cache", metavar="DIR", default=None, help="reuse the longest saved prefix of the prompt from DIR, and save this run's cache there")
     g.add_argument("--prompt-cache-bytes", type=int, default=1 << 30, help="the most bytes of caches DIR keeps (default 1 GiB)")
+    draft_help = 'speculative decoding: "quantized" (the same file with --quantized as the draft), "prompt-lookup", or a draft model path'
+    g.add_argument("--draft", default=None, help=draft_help)
+    g.add_argument("--num-draft", type=int, default=4, help="guesses a round starts with (adapted to what is kept)")
 
     c = sub.add_parser("chat", help="chat, keeping one KV cache across turns (/help lists the commands)")
     c.add_argument("--model", default=None, help=model_help)
@@ -258,6 +277,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--draft", default=None, help=draft_help)
+    c.add_argument("--num-draft", type=int, default=4, help="guesses a round starts with (adapted to what is kept)")
 
     i = sub.add_parser("info", help="architecture numbers, dtype, device, parameters, cache size")
     i.add_argument("--model", default=None, help=model_help)

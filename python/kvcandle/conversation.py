@@ -114,7 +114,7 @@ class Conversation:
     def stream(self, text: str, *, max_tokens: int = 256, **sampling: Any) -> Generator[Piece, None, None]:
         """Sends ``text`` as the user and yields the reply piece by piece (as
         :func:`kvcandle.stream_generate`; ``sampling``: temperature, top_k, top_p,
-        repetition_penalty, seed, stop). The exchange is recorded when the stream ends,
+        repetition_penalty, seed, stop, draft, num_draft). The exchange is recorded when the stream ends,
         also when the caller stops early (the reply so far).
 
         Raises:

@@ -24,6 +24,7 @@ from ._core import PREFILL_CHUNK
 from .model import Model
 from .prompt_cache import PromptCache
 from .sampling import apply_repetition_penalty, check_settings, sample
+from .speculative import Counts, Draft, check_num_draft, drafter, speculative_step
 
 Prompt = Union[str, Sequence[int]]
 
@@ -43,6 +44,13 @@ class Stats:
     decode_seconds: float = 0.0
     """The forwards and samplings of every later token (never the caller's time between
     tokens)."""
+    draft_rounds: int = 0
+    """With ``draft=``: chunks of guessed tokens the model checked."""
+    drafted_tokens: int = 0
+    """With ``draft=``: tokens the drafter guessed."""
+    accepted_tokens: int = 0
+    """With ``draft=``: guesses the model kept and gave out (each a token it did not run
+    a step of its own for)."""
 
     def count(self, seconds: float) -> None:
         """A token generated in ``seconds`` (the first counts as the prefill's)."""
@@ -60,6 +68,11 @@ class Stats:
     def decode_tps(self) -> float:
         steps = max(self.generated_tokens - 1, 0)
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """With ``draft=``: the share of guesses kept (0 when nothing was guessed)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 @dataclass
@@ -98,6 +111,9 @@ class Piece:
     tokens: list[int]
     """Token ids generated since the previous piece (text may be held back across ids)."""
     finish_reason: Optional[str] = None
+    draft_tokens: int = 0
+    """With ``draft=``: how many of ``tokens`` were guesses of the drafter the model kept
+    (the rest it chose itself)."""
     index: int = 0
     """Which sequence the piece belongs to: the continuation's index with
     ``stream_generate(..., n=...)``, the id :meth:`BatchGenerator.add` returned."""
@@ -158,18 +174,43 @@ def generate_step(
     repetition_penalty: Optional[float] = None,
     seed: Optional[int] = None,
     stats: Optional[Stats] = None,
+    draft: Optional[Draft] = None,
+    num_draft: int = 4,
 ) -> Generator[int, None, None]:
     """Yields token ids forever (the caller stops). Each yielded token is fed to the
     model only when the next one is asked for; the cache is cropped to the prompt's
-    longest common prefix first.
+    longest common prefix first. With ``draft``, tokens come from speculative decoding
+    (:mod:`kvcandle.speculative`): the same tokens greedily, the same distribution when
+    sampling; the cache then holds the prompt and every yielded token but the last
+    whenever the generator waits or is closed.
 
     Raises:
-        InputError: a bad sampling setting (see :func:`kvcandle.sampling.check_settings`),
-            raised on the first ``next()`` before the cache is touched.
+        InputError: a bad sampling setting (see :func:`kvcandle.sampling.check_settings`)
+            or a bad ``draft``/``num_draft``, raised on the first ``next()`` before the
+            cache is touched.
     """
-    sampler = _Sampler(check_settings(temperature, top_k, top_p, repetition_penalty, seed), prompt_ids)
+    steps = _steps(model, prompt_ids, cache, check_settings(temperature, top_k, top_p, repetition_penalty, seed), stats, draft, num_draft)
+    try:
+        for token, _ in steps:
+            yield token
+    finally:
+        steps.close()
+
+
+def _steps(
+    model: Model, prompt_ids: Sequence[int], cache: KVCache, settings: tuple, stats: Optional[Stats], draft: Optional[Draft], num_draft: object
+) -> Generator[tuple[int, bool], None, None]:
+    """``(token, from_draft)`` pairs: :func:`generate_step`'s tokens, and whether each
+    was a drafter's guess the model kept."""
     stats = stats if stats is not None else Stats()
     ids = list(prompt_ids)
+    if draft is not None:
+        return _draft_steps(model, ids, cache, settings, drafter(draft, model, settings), check_num_draft(num_draft), stats)
+    return _plain_steps(model, ids, cache, settings, stats)
+
+
+def _plain_steps(model: Model, ids: list[int], cache: KVCache, settings: tuple, stats: Stats) -> Generator[tuple[int, bool], None, None]:
+    sampler = _Sampler(settings, ids)
     # Only the work done here is timed, never the caller's time between tokens: the
     # prefill and the first sample are the time to the first token, each later forward
     # plus its sample one decode step.
@@ -184,9 +225,30 @@ def generate_step(
     while True:
         token = sampler(logits)
         stats.count(time.perf_counter() - clock)
-        yield token
+        yield token, False
         clock = time.perf_counter()
         logits = model.forward([token], cache)
+
+
+def _draft_steps(
+    model: Model, ids: list[int], cache: KVCache, settings: tuple, draft: object, num_draft: int, stats: Stats
+) -> Generator[tuple[int, bool], None, None]:
+    """:func:`kvcandle.speculative.speculative_step` after the prompt's prefill, timed as
+    ``generate_step`` times its tokens (a round's time goes to its first token)."""
+    sampler = _Sampler(settings, ids)
+    clock = time.perf_counter()
+    synced = model.sync(ids, cache, diverged="crop")
+    stats.prompt_tokens, stats.prefill_tokens, stats.reused_tokens = len(ids), synced.ran, synced.kept
+    counts = Counts()
+    inner = speculative_step(model, ids, cache, synced.logits, draft, num_draft, sampler, counts)
+    try:
+        for token, from_draft in inner:
+            stats.count(time.perf_counter() - clock)
+            stats.draft_rounds, stats.drafted_tokens, stats.accepted_tokens = counts.rounds, counts.drafted, counts.accepted
+            yield token, from_draft
+            clock = time.perf_counter()
+    finally:
+        inner.close()
 
 
 class _Sampler:
@@ -212,7 +274,7 @@ class _Text:
     out once complete), text that may begin a stop string held back, and the reasons to
     finish (EOS, a stop string, ``max_tokens``, a full cache)."""
 
-    def __init__(self, model: Model, stops: list[str], max_tokens: int) -> None:
+    def __init__(self, model: Model, stops: list[str], max_tokens: int, prompt_len: int, max_length: int) -> None:
         tok = model.tokenizer
         assert tok is not None
         self.eos = set(tok.eos_token_ids) | set(model.config.eos_token_ids)
@@ -220,22 +282,27 @@ class _Text:
         self.max_tokens = max_tokens
         self.decoder = tok.decode_stream()
         self.pending: list[int] = []  # ids generated since the last piece
+        self.drafted = 0  # how many of them were kept guesses
         self.held = ""  # decoded text not given out yet: it may be the start of a stop string
         self.generated = 0
+        # the cache holds the prompt and every generated token but the last: the context
+        # is full when the next token would not fit
+        self.prompt_len, self.max_length = prompt_len, max_length
 
-    def add(self, token: int, cache: KVCache) -> tuple[Optional[Piece], Optional[str]]:
+    def add(self, token: int, from_draft: bool = False) -> tuple[Optional[Piece], Optional[str]]:
         """Takes the next token: the piece of text it lets out (if any), and the finish
         reason if generation ends with it."""
         if token in self.eos:
             return None, "eos"
         self.generated += 1
         self.pending.append(token)
+        self.drafted += from_draft
         self.held += self.decoder.add(token)
         held, stops = self.held, self.stops
         hit = min((i for i in (held.find(s) for s in stops) if i >= 0), default=-1)
         if hit >= 0:
-            before = Piece(held[:hit], self.pending)
-            self.pending, self.held = [], ""
+            before = Piece(held[:hit], self.pending, draft_tokens=self.drafted)
+            self.pending, self.held, self.drafted = [], "", 0
             return before, "stop"
         safe = len(held)
         for s in stops:  # hold back a suffix that may grow into a stop string
@@ -245,18 +312,18 @@ class _Text:
                     break
         piece: Optional[Piece] = None
         if safe > 0:
-            piece = Piece(held[:safe], self.pending)
-            self.pending, self.held = [], held[safe:]
+            piece = Piece(held[:safe], self.pending, draft_tokens=self.drafted)
+            self.pending, self.held, self.drafted = [], held[safe:], 0
         if self.generated >= self.max_tokens:
             return piece, "length"
-        if len(cache) + 1 > cache.max_length:
+        if self.prompt_len + self.generated > self.max_length:
             return piece, "context"
         return piece, None
 
     def last(self, reason: str) -> Piece:
         """The last piece (an incomplete UTF-8 sequence cut by ``max_tokens`` never left
         the decoder), carrying the finish reason."""
-        return Piece(self.held, self.pending, reason)
+        return Piece(self.held, self.pending, reason, draft_tokens=self.drafted)
 
 
 def _prepare(
@@ -295,10 +362,18 @@ def stream_generate(
     stats: Optional[Stats] = None,
     prompt_cache: Optional["PromptCache"] = None,
     n: Optional[int] = None,
+    draft: Optional[Draft] = None,
+    num_draft: int = 4,
 ) -> Iterator[Piece]:
     """Yields the generated text piece by piece. A piece never ends inside a multi-byte
     character, and text that could begin a stop string is held back until it cannot;
     the pieces join to exactly :func:`generate`'s text.
+
+    With ``draft`` (see :mod:`kvcandle.speculative`), a drafter guesses up to
+    ``num_draft`` tokens ahead (adapted to what is kept) and the model checks them in one
+    chunk: greedy output is identical to plain decoding, sampled output has exactly the
+    model's distribution. Each piece's ``draft_tokens`` counts its kept guesses; the
+    stats count rounds, guesses and kept guesses.
 
     With ``n``, the ``n`` continuations of :func:`generate` with ``n`` are streamed
     together: each piece's ``index`` says whose it is, and each continuation's last
@@ -313,19 +388,19 @@ def stream_generate(
     """
     if n is not None:
         n = check_int("n", n, minimum=1, rule="a positive int")
+        if draft is not None:
+            raise InputError("draft with n is not supported: speculation runs one sequence (use n=None)")
         settings = check_settings(temperature, top_k, top_p, repetition_penalty, seed)
         yield from _stream_n(model, prompt, n, max_tokens, cache, settings, stop, prompt_cache)
         return
     ids, stops, max_tokens, cache = _prepare(model, prompt, max_tokens, stop, cache, prompt_cache)
     stats = stats if stats is not None else Stats()
-    text = _Text(model, stops, max_tokens)
-    steps = generate_step(
-        model, ids, cache, temperature=temperature, top_k=top_k, top_p=top_p,
-        repetition_penalty=repetition_penalty, seed=seed, stats=stats,
-    )
+    text = _Text(model, stops, max_tokens, len(ids), cache.max_length)
+    settings = check_settings(temperature, top_k, top_p, repetition_penalty, seed)
+    steps = _steps(model, ids, cache, settings, stats, draft, num_draft)
     reason = "length"
-    for token in steps:
-        piece, done = text.add(token, cache)
+    for token, from_draft in steps:
+        piece, done = text.add(token, from_draft)
         if piece is not None:
             yield piece
         if done is not None:
@@ -342,12 +417,14 @@ def generate(
     model: Model, prompt: Prompt, *, max_tokens: int = ..., cache: Optional[KVCache] = ..., temperature: float = ...,
     top_k: Optional[int] = ..., top_p: Optional[float] = ..., repetition_penalty: Optional[float] = ..., seed: Optional[int] = ...,
     stop: Union[str, Sequence[str], None] = ..., prompt_cache: Optional["PromptCache"] = ..., n: None = ...,
+    draft: Optional[Draft] = ..., num_draft: int = ...,
 ) -> GenerationResult: ...
 @overload
 def generate(
     model: Model, prompt: Prompt, *, max_tokens: int = ..., cache: Optional[KVCache] = ..., temperature: float = ...,
     top_k: Optional[int] = ..., top_p: Optional[float] = ..., repetition_penalty: Optional[float] = ..., seed: Optional[int] = ...,
     stop: Union[str, Sequence[str], None] = ..., prompt_cache: Optional["PromptCache"] = ..., n: int,
+    draft: None = ..., num_draft: int = ...,
 ) -> list[GenerationResult]: ...
 def generate(
     model: Model,
@@ -363,6 +440,8 @@ def generate(
     stop: Union[str, Sequence[str], None] = None,
     prompt_cache: Optional["PromptCache"] = None,
     n: Optional[int] = None,
+    draft: Optional[Draft] = None,
+    num_draft: int = 4,
 ) -> Union[GenerationResult, list[GenerationResult]]:
     """Generates a continuation of ``prompt`` (a str or token ids).
 
@@ -385,6 +464,8 @@ def generate(
             ``generate(..., seed=seed + i)`` gives alone (greedy: all the same). The
             given cache (or the prompt cache's) keeps the prompt; each result's
             ``cache`` holds its own continuation.
+        draft, num_draft: speculative decoding (see :func:`stream_generate` and
+            :mod:`kvcandle.speculative`); ``result.stats`` counts the guesses.
 
     Returns:
         The text, the generated token ids, the finish reason and timings (a list of
@@ -397,6 +478,8 @@ def generate(
     """
     if n is not None:
         n = check_int("n", n, minimum=1, rule="a positive int")
+        if draft is not None:
+            raise InputError("draft with n is not supported: speculation runs one sequence (use n=None)")
         return _generate_n(model, prompt, n, max_tokens, cache, (temperature, top_k, top_p, repetition_penalty, seed), stop, prompt_cache)
     stats = Stats()
     pieces: list[str] = []
@@ -405,7 +488,7 @@ def generate(
     for piece in stream_generate(
         model, prompt, max_tokens=max_tokens, cache=cache, temperature=temperature, top_k=top_k,
         top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, stats=stats,
-        prompt_cache=prompt_cache,
+        prompt_cache=prompt_cache, draft=draft, num_draft=num_draft,
     ):
         pieces.append(piece.text)
         token_list.extend(piece.tokens)
@@ -615,7 +698,7 @@ class BatchGenerator:
 
     def _new(self, ids: list[int], cache: KVCache, settings: tuple, stops: list[str], max_tokens: int, prompt_cache: Optional[PromptCache]) -> _Sequence:
         uid, self._next = self._next, self._next + 1
-        seq = _Sequence(uid, ids, cache, _Sampler(settings, ids), _Text(self.model, stops, max_tokens), Stats(prompt_tokens=len(ids)), prompt_cache)
+        seq = _Sequence(uid, ids, cache, _Sampler(settings, ids), _Text(self.model, stops, max_tokens, len(ids), cache.max_length), Stats(prompt_tokens=len(ids)), prompt_cache)
         self._seqs[uid] = seq
         return seq
 
@@ -657,7 +740,7 @@ class BatchGenerator:
             clock = time.perf_counter()
             token = s.sampler(s.logits)
             s.logits = None
-            piece, done = s.text.add(token, s.cache)
+            piece, done = s.text.add(token)
             s.stats.count(s.elapsed + time.perf_counter() - clock)
             s.elapsed = 0.0
             if piece is not None:

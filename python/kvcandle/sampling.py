@@ -95,18 +95,24 @@ def sample(
             :func:`check_settings`); the message names the setting and the value.
     """
     t, k, p = _temperature(temperature), _top_k(top_k), _top_p(top_p)
-    z = np.asarray(logits, dtype=np.float64)
     if t == 0.0:
-        return int(np.argmax(z))
-    with np.errstate(over="ignore", under="ignore"):  # a tiny temperature sends the rest to -inf
-        scaled = (z - np.max(z)) / t
-    if k is not None:
-        scaled = top_k_filter(scaled, k)
-    if p is not None:
-        scaled = top_p_filter(scaled, p)
-    probs = softmax(scaled)
+        return int(np.argmax(np.asarray(logits, dtype=np.float64)))
+    probs = distribution(logits, temperature=t, top_k=k, top_p=p)
     rng = rng if rng is not None else np.random.default_rng()
     return int(rng.choice(len(probs), p=probs))
+
+
+def distribution(logits: np.ndarray, *, temperature: float, top_k: Optional[int] = None, top_p: Optional[float] = None) -> np.ndarray:
+    """The float64 probabilities :func:`sample` draws from at a temperature above 0 (the
+    settings already checked)."""
+    z = np.asarray(logits, dtype=np.float64)
+    with np.errstate(over="ignore", under="ignore"):  # a tiny temperature sends the rest to -inf
+        scaled = (z - np.max(z)) / temperature
+    if top_k is not None:
+        scaled = top_k_filter(scaled, top_k)
+    if top_p is not None:
+        scaled = top_p_filter(scaled, top_p)
+    return softmax(scaled)
 
 
 class Settings(NamedTuple):
