@@ -233,3 +233,12 @@ class _Pipe:
 
     def getvalue(self) -> str:
         return self._io.getvalue()
+
+
+def test_a_conversation_takes_a_draft(default_model, default_quantized):
+    plain, spec = kvcandle.Conversation(default_model), kvcandle.Conversation(default_model)
+    for text in ("Hi! Who are you?", "Say that again, word for word."):
+        a = plain.send(text, max_tokens=24)
+        b = spec.send(text, max_tokens=24, draft=default_quantized, num_draft=3)
+        assert (a.text, a.tokens) == (b.text, b.tokens)
+    assert plain.tokens == spec.tokens and plain.cache.tokens == spec.cache.tokens
