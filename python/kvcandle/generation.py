@@ -24,7 +24,7 @@ from ._core import PREFILL_CHUNK
 from .model import Model
 from .prompt_cache import PromptCache
 from .sampling import apply_repetition_penalty, check_settings, sample
-from .speculative import Counts, Draft, check_num_draft, drafter, speculative_step
+from .speculative import Counts, Draft, Drafter, check_num_draft, drafter, speculative_step
 
 Prompt = Union[str, Sequence[int]]
 
@@ -231,7 +231,7 @@ def _plain_steps(model: Model, ids: list[int], cache: KVCache, settings: tuple, 
 
 
 def _draft_steps(
-    model: Model, ids: list[int], cache: KVCache, settings: tuple, draft: object, num_draft: int, stats: Stats
+    model: Model, ids: list[int], cache: KVCache, settings: tuple, draft: Drafter, num_draft: int, stats: Stats
 ) -> Generator[tuple[int, bool], None, None]:
     """:func:`kvcandle.speculative.speculative_step` after the prompt's prefill, timed as
     ``generate_step`` times its tokens (a round's time goes to its first token)."""

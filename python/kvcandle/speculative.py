@@ -30,7 +30,7 @@ guess, plain steps for a while (doubling up to 16), so poor guesses cost little.
 
 from __future__ import annotations
 
-from typing import Callable, Generator, Optional, Sequence, Union
+from typing import Callable, Generator, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -55,6 +55,32 @@ MODEL_MAX_DRAFT = 8
 LOOKUP_NGRAM = 3
 #: The most plain steps taken between tries after guesses keep failing.
 MAX_PAUSE = 16
+
+
+class Drafter(Protocol):
+    """What speculation asks of a drafter (the three kinds below implement it)."""
+
+    max_guesses: int
+
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], Optional[list[np.ndarray]]]:
+        """Up to ``k`` guesses after ``tokens``, and with sampled guesses the
+        distribution each was drawn from (None: deterministic guesses, q = 1)."""
+        ...
+
+    def settle(self, kept: int) -> None:
+        """The model keeps ``kept`` positions: drop anything run past them."""
+        ...
+
+
+class SequenceSampler(Protocol):
+    """The one sequence's sampling state speculation shares with plain generation."""
+
+    temperature: float
+    top_k: Optional[int]
+    top_p: Optional[float]
+    penalty: Optional[float]
+    rng: np.random.Generator
+    history: list[int]
 
 
 class _ModelDrafter:
@@ -101,7 +127,7 @@ class _ModelDrafter:
 class _PromptLookup:
     max_guesses = MAX_DRAFT
 
-    def propose(self, tokens: list[int], k: int) -> tuple[list[int], None]:
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], Optional[list[np.ndarray]]]:
         return prompt_lookup(tokens, k), None
 
     def settle(self, kept: int) -> None:
@@ -114,7 +140,7 @@ class _Callable:
     def __init__(self, f: Callable[[list[int], int], Sequence[int]], vocab: int) -> None:
         self.f, self.vocab = f, vocab
 
-    def propose(self, tokens: list[int], k: int) -> tuple[list[int], None]:
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], Optional[list[np.ndarray]]]:
         got = self.f(list(tokens), k)
         try:
             guesses = [int(g) for g in got][:k]
@@ -144,7 +170,7 @@ def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = LOOKUP_NGRAM) 
     return []
 
 
-def drafter(draft: Draft, model: Model, settings: tuple) -> object:
+def drafter(draft: Draft, model: Model, settings: tuple) -> Drafter:
     """The drafter for ``draft=`` (checked)."""
     if isinstance(draft, Model):
         return _ModelDrafter(draft, model, settings, settings[4])
@@ -182,9 +208,9 @@ def speculative_step(
     prompt_ids: Sequence[int],
     cache: KVCache,
     first_logits: np.ndarray,
-    draft: object,
+    draft: Drafter,
     num_draft: int,
-    sampler: object,
+    sampler: SequenceSampler,
     counts: Counts,
 ) -> Generator[tuple[int, bool], None, None]:
     """Yields ``(token, from_draft)`` forever (the caller stops), as ``generate_step``
@@ -194,9 +220,9 @@ def speculative_step(
     ``sampler`` is the sequence's ``_Sampler`` (settings, random stream, history).
     """
     ids = list(prompt_ids)
-    rng = sampler.rng  # type: ignore[attr-defined]
-    temperature, top_k, top_p, penalty = sampler.temperature, sampler.top_k, sampler.top_p, sampler.penalty  # type: ignore[attr-defined]
-    history: list[int] = sampler.history  # type: ignore[attr-defined]
+    rng = sampler.rng
+    temperature, top_k, top_p, penalty = sampler.temperature, sampler.top_k, sampler.top_p, sampler.penalty
+    history = sampler.history
 
     def target_probs(logits: np.ndarray, context: list[int]) -> np.ndarray:
         if penalty is not None:
@@ -213,7 +239,7 @@ def speculative_step(
 
     token = choose(first_logits, history)
     history.append(token)
-    most = min(draft.max_guesses, MAX_DRAFT)  # type: ignore[attr-defined]
+    most = min(draft.max_guesses, MAX_DRAFT)
     k, pause, wait = min(num_draft, most), 1, 0
     yielded = 0
     try:
@@ -225,7 +251,7 @@ def speculative_step(
             guesses: list[int] = []
             qs: Optional[list[np.ndarray]] = None
             if wait == 0 and room > 0:
-                guesses, qs = draft.propose(seq, min(k, room))  # type: ignore[attr-defined]
+                guesses, qs = draft.propose(seq, min(k, room))
             else:
                 wait = max(wait - 1, 0)
             if not guesses:
@@ -266,7 +292,7 @@ def speculative_step(
                 new = choose(rows[len(guesses)], history + kept)
             # the cache keeps the last token and the kept guesses; the new token is not run
             cache.crop(len(seq) + len(kept))
-            draft.settle(len(seq) + len(kept))  # type: ignore[attr-defined]
+            draft.settle(len(seq) + len(kept))
             if len(kept) == len(guesses):
                 k, pause = min(k + 2, most), 1
             elif not kept and k == 1:
@@ -287,4 +313,4 @@ def speculative_step(
         keep = len(ids) + yielded - 1
         if len(cache) > keep:
             cache.crop(keep)
-        draft.settle(min(keep, len(cache)))  # type: ignore[attr-defined]
+        draft.settle(min(keep, len(cache)))
