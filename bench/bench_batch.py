@@ -32,22 +32,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from _machine import cpu_features  # bench/ is on the path when a script runs
+
 BATCHES = (1, 2, 4, 8)
 CHUNKS = (1, 2, 4, 8, 16, 32)
-
-
-def cpu_features() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    return " ".join(f for f in ["avx512f", "avx512_vnni", "avx2", "fma", "f16c", "amx_tile"] if f in flags)
 
 
 LLAMA_CPP = r"""
 import ctypes, json, sys, time, statistics
 import numpy as np
 import llama_cpp as L
+
 path, context, steps, rounds, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 batches = json.loads(sys.argv[6])
 L.llama_backend_init()

@@ -59,20 +59,13 @@ out["prefill of 2,048 tokens"] = time.perf_counter() - t
 print(json.dumps(out))
 """
 
-
-def cpu_features() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    wanted = ["avx512f", "avx512_vnni", "avx2", "fma", "f16c", "amx_tile"]
-    return " ".join(f for f in wanted if f in flags)
-
+from _machine import cpu_features  # bench/ is on the path when a script runs
 
 FORKS = r"""
 import gc, json, os, statistics, sys, time
 import numpy as np
 import kvcandle
+
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

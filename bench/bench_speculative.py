@@ -27,6 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _machine import cpu_features  # bench/ is on the path when a script runs
+
 CHAT = [
     "Write a short story about a llama who learns to code.",
     "Explain how a KV cache speeds up transformer decoding.",
@@ -43,6 +45,7 @@ LLAMA_CPP = r"""
 import sys, time, json, statistics
 import llama_cpp
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
 path, prompt, tokens, rounds, threads, lookup = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
 draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
 llm = llama_cpp.Llama(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, draft_model=draft, logits_all=lookup, verbose=False)
@@ -55,14 +58,6 @@ def rate():
     return (len(times) - 1) / (times[-1] - times[0])
 print(json.dumps(statistics.median(rate() for _ in range(rounds))))
 """
-
-
-def cpu_features() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    return " ".join(f for f in ["avx512f", "avx512_vnni", "avx2", "fma", "f16c", "amx_tile"] if f in flags)
 
 
 def main() -> None:
