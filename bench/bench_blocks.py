@@ -29,6 +29,8 @@ import statistics
 import subprocess
 import sys
 
+from _machine import cpu_features  # bench/ is on the path when a script runs
+
 CONTEXTS = (2048, 4096)
 DECODE = r"""
 import json, os, statistics, sys, time
@@ -58,8 +60,6 @@ model.forward(ids)
 out["prefill of 2,048 tokens"] = time.perf_counter() - t
 print(json.dumps(out))
 """
-
-from _machine import cpu_features  # bench/ is on the path when a script runs
 
 FORKS = r"""
 import gc, json, os, statistics, sys, time
