@@ -191,3 +191,99 @@ def test_finished_caches_go_into_the_prompt_cache(default_model):
             if p.result is not None:
                 assert p.result.stats.reused_tokens == len(prompt) - 1
                 assert np.isfinite(p.result.stats.prefill_tps)
+
+
+def test_add_n_runs_the_prompt_once_and_equals_generate_n(default_model):
+    model = default_model
+    prompt = "Write a word about the sea:"
+    settings = dict(max_tokens=8, temperature=0.9, top_p=0.95, seed=11)
+    batch = kvcandle.BatchGenerator(model)
+    ids = batch.add(prompt, n=3, **settings)
+    assert ids == [0, 1, 2]
+    ran = []
+    original = model.forward_batch
+
+    def counting(inputs, caches, **kw):
+        ran.append([len(x) for x in inputs])
+        return original(inputs, caches, **kw)
+
+    model.forward_batch = counting  # type: ignore[method-assign]
+    try:
+        results = {}
+        while batch:
+            for piece in batch.step():
+                if piece.result is not None:
+                    results[piece.index] = piece.result
+    finally:
+        del model.forward_batch
+    prompt_len = len(model.tokenizer.encode(prompt))
+    assert sum(sum(step) for step in ran[:1]) == prompt_len  # the first step: the prompt once
+    assert all(len(step) == 3 and max(step) == 1 for step in ran[1:])
+    expected = kvcandle.generate(model, prompt, n=3, **settings)
+    assert [(results[i].text, results[i].tokens) for i in ids] == [(e.text, e.tokens) for e in expected]
+    assert len({r.text for r in expected}) > 1  # the seeds differ
+
+
+def test_removing_a_sequence_of_add_n_leaves_the_others_running(default_model):
+    model = default_model
+    prompt = "The history of the printing press " * 20  # prefills over several steps
+    batch = kvcandle.BatchGenerator(model)
+    first, second, third = batch.add(prompt, n=3, max_tokens=5, temperature=0.8, seed=4)
+    batch.step()  # part of the prompt ran
+    taken = batch.remove(first)  # the first carried the prompt: the second takes it over
+    assert taken.finish_reason == "removed" and taken.tokens == []
+    held = len(taken.cache)
+    assert 0 < held < len(model.tokenizer.encode(prompt))
+    assert taken.cache.tokens == model.tokenizer.encode(prompt)[:held]
+    waiting = batch.remove(third)  # still waiting: its cache is the prompt so far
+    assert waiting.cache.tokens == taken.cache.tokens
+    results = {}
+    while batch:
+        for piece in batch.step():
+            if piece.result is not None:
+                results[piece.index] = piece.result
+    alone = kvcandle.generate(model, prompt, max_tokens=5, temperature=0.8, seed=4 + 1)
+    assert (results[second].text, results[second].tokens) == (alone.text, alone.tokens)
+    assert taken.cache.tokens == model.tokenizer.encode(prompt)[:held]  # not disturbed by the heir
+
+
+def test_logprobs_are_the_models_log_softmax(default_model):
+    model = default_model
+    prompt = "The capital of France is"
+    batch = kvcandle.BatchGenerator(model)
+    index = batch.add(prompt, max_tokens=6, temperature=0.7, seed=2, logprobs=3)
+    tokens, entries = [], []
+    while batch:
+        for piece in batch.step():
+            assert piece.index == index and len(piece.logprobs) == len(piece.tokens)
+            tokens += piece.tokens
+            entries += piece.logprobs
+    ids = model.tokenizer.encode(prompt)
+    logits = model.forward(ids + tokens, all_logits=True).astype(np.float64)[len(ids) - 1 : -1]
+    logp = logits - logits.max(axis=1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+    for row, token, entry in zip(logp, tokens, entries):
+        assert entry.token == token
+        assert abs(entry.logprob - row[token]) < 1e-4
+        assert [t for t, _ in entry.top] == list(np.argsort(-row, kind="stable")[:3])
+        assert all(abs(lp - row[t]) < 1e-4 for t, lp in entry.top)
+    with pytest.raises(kvcandle.InputError, match="logprobs"):
+        batch.add(prompt, logprobs=-1)
+    with pytest.raises(kvcandle.InputError, match="n must be"):
+        batch.add(prompt, n=0)
+    assert not batch
+
+
+def test_a_whole_prompt_from_a_cache_gives_the_first_runs_logits(default_model):
+    # the last prompt token always runs as a decode row (kvcandle.prompt_chunk), so a
+    # prompt-cache hit of a whole prompt repeats the first run bit for bit
+    model = default_model
+    for words in (12, 90):  # one chunk of more than SMALL_CHUNK tokens; more than PREFILL_CHUNK
+        ids = model.tokenizer.encode("a tale of two cities " * words)
+        assert len(ids) > kvcandle.SMALL_CHUNK
+        cache = model.new_cache()
+        first = model.sync(ids, cache).logits
+        model.forward([5, 6], cache)  # the cache holds more than the prompt, as a prompt cache's entry does
+        again = model.sync(ids, cache).logits
+        assert np.array_equal(first, again)
+    assert [kvcandle.prompt_chunk(n) for n in (1, 32, 33, 256, 257, 600)] == [1, 32, 32, 255, 256, 256]

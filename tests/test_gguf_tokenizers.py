@@ -225,3 +225,12 @@ def test_a_quantized_model_chats_with_the_files_template(tmp_path, name, vocab, 
         if template == LLAMA3_TEMPLATE:
             assert chat.tokens[: len(kept)] == kept
     assert chat.turns == 2
+
+
+def test_token_bytes_join_to_the_text(default_model):
+    tok = default_model.tokenizer
+    for text in ["Hello world", " Paris", "你好，世界", "emoji 🙂 here", "<|im_end|>", "tabs\tand\nlines"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8"), text
+    with pytest.raises(kvcandle.TokenIdError, match="out of range"):
+        tok.token_bytes(tok.vocab_size)

@@ -355,3 +355,16 @@ def test_same_ids_as_llama_cpp(case):
     for text, parsed, literal in zip(texts, case["parsed"], case["literal"]):
         assert ours.encode(text, add_special_tokens=False) == parsed, repr(text)
         assert ours.encode(text, add_special_tokens=False, parse_special=False) == literal, repr(text)
+
+
+@pytest.mark.parametrize("options", SP_MODELS)
+def test_sentencepiece_token_bytes_are_its_pieces_bytes(options):
+    # a piece's bytes as SentencePiece spells it: "▁" is a space, <0xNN> is one byte
+    ours, sp = sentencepiece_pair(**options)
+    for text in TEXTS:
+        for i in sp.encode(text):
+            piece = sp.id_to_piece(i)
+            want = bytes([int(piece[3:5], 16)]) if sp.is_byte(i) else piece.replace("\u2581", " ").encode("utf-8")
+            if sp.is_unknown(i):
+                continue  # an unknown piece stands for text SentencePiece no longer has
+            assert ours.token_bytes(i) == want, (text, i, piece)

@@ -27,8 +27,8 @@ from .errors import (
     PositionError,
     TokenIdError,
 )
-from .generation import BatchGenerator, GenerationResult, Piece, batch_generate, generate, generate_step, stream_generate
-from .model import Model, ModelConfig, Sync, load, load_cache
+from .generation import BatchGenerator, GenerationResult, Piece, TokenLogprob, batch_generate, generate, generate_step, stream_generate
+from .model import Model, ModelConfig, Sync, load, load_cache, prompt_chunk
 from .prompt_cache import PromptCache
 from .tokenizer import Tokenizer
 
@@ -50,12 +50,14 @@ __all__ = [
     "generate_step",
     "GenerationResult",
     "Piece",
+    "TokenLogprob",
     "Model",
     "ModelConfig",
     "KVCache",
     "PromptCache",
     "Conversation",
     "Sync",
+    "prompt_chunk",
     "LayerView",
     "Tokenizer",
     "upstream",

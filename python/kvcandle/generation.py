@@ -20,8 +20,7 @@ from .cache import KVCache
 from ._checks import check_int, refuse, show
 from ._ids import as_ids
 from .errors import InputError
-from ._core import PREFILL_CHUNK
-from .model import Model
+from .model import Model, prompt_chunk
 from .prompt_cache import PromptCache
 from .sampling import apply_repetition_penalty, check_settings, sample
 from .speculative import Counts, Draft, Drafter, check_num_draft, drafter, speculative_step
@@ -103,6 +102,33 @@ class GenerationResult:
         return self.stats.decode_tps
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (the log-softmax of its
+    logits, before temperature, top-k, top-p or a repetition penalty reshape them), and
+    the most likely tokens at that position with theirs."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """``(token, logprob)`` of the most likely tokens, most likely first (as many as
+    asked for)."""
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """The :class:`TokenLogprob` of ``token`` given its position's ``logits``, with the
+    ``top`` most likely tokens (computed in float64)."""
+    z = np.asarray(logits, dtype=np.float64)
+    shifted = z - np.max(z)
+    logp = shifted - np.log(np.sum(np.exp(shifted)))
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        idx = np.argpartition(-logp, top - 1)[:top] if top < len(logp) else np.arange(len(logp))
+        idx = idx[np.lexsort((idx, -logp[idx]))]  # most likely first, ties by id
+        best = [(int(i), float(logp[i])) for i in idx]
+    return TokenLogprob(int(token), float(logp[token]), best)
+
+
 @dataclass
 class Piece:
     """One piece of streamed text; the last one carries the finish reason."""
@@ -120,6 +146,9 @@ class Piece:
     result: Optional["GenerationResult"] = None
     """On a sequence's last piece from ``stream_generate(..., n=...)`` and
     :class:`BatchGenerator`: its whole result, its cache included."""
+    logprobs: Optional[list[TokenLogprob]] = None
+    """With ``BatchGenerator.add(..., logprobs=k)``: one :class:`TokenLogprob` for each
+    of ``tokens``, in order."""
 
 
 def encode_prompt(model: Model, prompt: Prompt) -> list[int]:
@@ -586,7 +615,10 @@ class _Sequence:
     """One sequence of a :class:`BatchGenerator`: its prompt, cache, sampler, text and
     stats, the ids still to run and the logits not sampled yet."""
 
-    def __init__(self, uid: int, ids: list[int], cache: KVCache, sampler: _Sampler, text: _Text, stats: Stats, prompt_cache: Optional[PromptCache]) -> None:
+    def __init__(
+        self, uid: int, ids: list[int], cache: Optional[KVCache], sampler: _Sampler, text: _Text, stats: Stats,
+        prompt_cache: Optional[PromptCache], logprobs: Optional[int],
+    ) -> None:
         self.uid, self.ids, self.cache, self.sampler, self.text, self.stats = uid, ids, cache, sampler, text, stats
         self.prompt_cache = prompt_cache
         self.feed: list[int] = []  # ids to run next: the rest of the prompt, or the last token
@@ -594,6 +626,18 @@ class _Sequence:
         self.elapsed = 0.0  # time of the steps since the last token came out
         self.parts: list[str] = []
         self.tokens: list[int] = []
+        self.logprobs = logprobs  # how many top tokens each token's TokenLogprob lists; None: no logprobs
+        self.pending_logprobs: list[TokenLogprob] = []  # of the tokens not given out in a piece yet
+        # add(n=k): the other k - 1 sequences wait (cache None) for this one's prompt, then
+        # start from forks of its cache and its last logits
+        self.waiting: list[_Sequence] = []
+        self.parent: Optional[_Sequence] = None
+
+    def take_logprobs(self) -> Optional[list[TokenLogprob]]:
+        if self.logprobs is None:
+            return None
+        out, self.pending_logprobs = self.pending_logprobs, []
+        return out
 
     def result(self, reason: str) -> GenerationResult:
         return GenerationResult("".join(self.parts), list(self.tokens), reason, self.stats, cache=self.cache)
@@ -647,6 +691,18 @@ class BatchGenerator:
         """The ids of the sequences in the batch, in the order they were added."""
         return list(self._seqs)
 
+    @overload
+    def add(
+        self, prompt: Prompt, *, max_tokens: int = ..., temperature: float = ..., top_k: Optional[int] = ..., top_p: Optional[float] = ...,
+        repetition_penalty: Optional[float] = ..., seed: Optional[int] = ..., stop: Union[str, Sequence[str], None] = ...,
+        cache: Optional[KVCache] = ..., prompt_cache: Optional[PromptCache] = ..., n: None = ..., logprobs: Optional[int] = ...,
+    ) -> int: ...
+    @overload
+    def add(
+        self, prompt: Prompt, *, max_tokens: int = ..., temperature: float = ..., top_k: Optional[int] = ..., top_p: Optional[float] = ...,
+        repetition_penalty: Optional[float] = ..., seed: Optional[int] = ..., stop: Union[str, Sequence[str], None] = ...,
+        cache: Optional[KVCache] = ..., prompt_cache: Optional[PromptCache] = ..., n: int, logprobs: Optional[int] = ...,
+    ) -> list[int]: ...
     def add(
         self,
         prompt: Prompt,
@@ -660,12 +716,22 @@ class BatchGenerator:
         stop: Union[str, Sequence[str], None] = None,
         cache: Optional[KVCache] = None,
         prompt_cache: Optional[PromptCache] = None,
-    ) -> int:
+        n: Optional[int] = None,
+        logprobs: Optional[int] = None,
+    ) -> Union[int, list[int]]:
         """Adds a sequence; it starts at the next :meth:`step`. The settings are
         :func:`generate`'s; ``cache`` (or the longest prefix ``prompt_cache`` holds) is
         cropped to its common prefix with the prompt, and ``prompt_cache`` gets the
         cache back when the sequence finishes. Returns the sequence's id (``index`` of
         its pieces).
+
+        With ``n``, adds ``n`` sequences of one prompt and returns their ids: the prompt
+        runs once (for the first), then the others start from forks of its cache (no
+        keys or values copied), sequence ``i`` sampling with seed ``seed + i`` as
+        :func:`generate` with ``n`` does.
+
+        With ``logprobs=k``, each piece carries a :class:`TokenLogprob` for each of its
+        tokens, listing the ``k`` most likely tokens too (``k`` may be 0).
 
         Raises:
             InputError: a bad setting or an empty prompt (named with its value), or
@@ -675,15 +741,25 @@ class BatchGenerator:
             CacheError: ``cache`` belongs to another model.
         """
         settings = check_settings(temperature, top_k, top_p, repetition_penalty, seed)
+        count = 1 if n is None else check_int("n", n, minimum=1, rule="a positive int or None")
+        top = None if logprobs is None else check_int("logprobs", logprobs, minimum=0, rule="a non-negative int or None")
         ids, stops, max_tokens_, cache = _prepare(self.model, prompt, max_tokens, stop, cache, prompt_cache)
         for other in self._seqs.values():
-            if other.cache is cache or other.cache._inner is cache._inner:
+            if other.cache is not None and (other.cache is cache or other.cache._inner is cache._inner):
                 raise InputError(f"this cache is already generating in this batch (sequence {other.uid}): fork() it for another sequence")
         keep = self.model._sync_start(ids, cache, "crop")
-        seq = self._new(ids, cache, settings, stops, max_tokens_, prompt_cache)
-        seq.stats.prefill_tokens, seq.stats.reused_tokens = len(ids) - keep, keep
-        seq.feed = ids[keep:]
-        return seq.uid
+        first = self._new(ids, cache, settings, stops, max_tokens_, prompt_cache, top, cache.max_length)
+        first.stats.prefill_tokens, first.stats.reused_tokens = len(ids) - keep, keep
+        first.feed = ids[keep:]
+        temperature_, top_k_, top_p_, penalty_, seed_ = settings
+        for i in range(1, count):
+            each = (temperature_, top_k_, top_p_, penalty_, None if seed_ is None else seed_ + i)
+            other = self._new(ids, None, each, stops, max_tokens_, prompt_cache, top, cache.max_length)
+            other.parent = first
+            first.waiting.append(other)
+        if n is None:
+            return first.uid
+        return [first.uid] + [w.uid for w in first.waiting]
 
     def _add_started(
         self, ids: list[int], cache: KVCache, synced: Any, elapsed: float, settings: tuple, stops: list[str], max_tokens: int,
@@ -691,16 +767,29 @@ class BatchGenerator:
     ) -> int:
         """A sequence whose prompt already ran (``synced``: its last position's logits),
         sampled at the next step; ``elapsed`` is its prefill's time."""
-        seq = self._new(ids, cache, settings, stops, max_tokens, prompt_cache)
+        seq = self._new(ids, cache, settings, stops, max_tokens, prompt_cache, None, cache.max_length)
         seq.stats.prefill_tokens, seq.stats.reused_tokens = synced.ran, synced.kept
         seq.logits, seq.elapsed = synced.logits, elapsed
         return seq.uid
 
-    def _new(self, ids: list[int], cache: KVCache, settings: tuple, stops: list[str], max_tokens: int, prompt_cache: Optional[PromptCache]) -> _Sequence:
+    def _new(
+        self, ids: list[int], cache: Optional[KVCache], settings: tuple, stops: list[str], max_tokens: int,
+        prompt_cache: Optional[PromptCache], logprobs: Optional[int], max_length: int,
+    ) -> _Sequence:
         uid, self._next = self._next, self._next + 1
-        seq = _Sequence(uid, ids, cache, _Sampler(settings, ids), _Text(self.model, stops, max_tokens, len(ids), cache.max_length), Stats(prompt_tokens=len(ids)), prompt_cache)
+        text = _Text(self.model, stops, max_tokens, len(ids), max_length)
+        seq = _Sequence(uid, ids, cache, _Sampler(settings, ids), text, Stats(prompt_tokens=len(ids)), prompt_cache, logprobs)
         self._seqs[uid] = seq
         return seq
+
+    def _start_waiting(self, parent: _Sequence) -> None:
+        """The sequences waiting for ``parent``'s prompt start from forks of its cache
+        (which holds the prompt) and its last logits."""
+        assert parent.cache is not None
+        for w in parent.waiting:
+            w.cache, w.logits, w.elapsed, w.parent = parent.cache.fork(), parent.logits, parent.elapsed, None
+            w.stats.prefill_tokens, w.stats.reused_tokens = parent.stats.prefill_tokens, parent.stats.reused_tokens
+        parent.waiting = []
 
     def remove(self, index: int) -> GenerationResult:
         """Takes a sequence out now. Returns its result so far (``finish_reason``
@@ -713,6 +802,19 @@ class BatchGenerator:
         seq = self._seqs.pop(index, None) if isinstance(index, int) else None
         if seq is None:
             raise InputError(f"no sequence {show(index)} in this batch: its sequences are {self.indices}")
+        if seq.parent is not None:  # still waiting for its parent's prompt
+            assert seq.parent.cache is not None
+            seq.parent.waiting.remove(seq)
+            seq.cache, seq.parent = seq.parent.cache.fork(), None
+        elif seq.waiting:  # the next waiting sequence runs the rest of the prompt instead
+            assert seq.cache is not None
+            heir, *rest = seq.waiting
+            heir.cache, heir.feed, heir.parent, heir.waiting = seq.cache.fork(), seq.feed, None, rest
+            heir.elapsed = seq.elapsed
+            heir.stats.prefill_tokens, heir.stats.reused_tokens = seq.stats.prefill_tokens, seq.stats.reused_tokens
+            for w in rest:
+                w.parent = heir
+            seq.waiting, seq.feed = [], []
         last = seq.text.last("removed")
         seq.parts.append(last.text)
         seq.tokens.extend(last.tokens)
@@ -724,29 +826,32 @@ class BatchGenerator:
         carries ``finish_reason`` and ``result``; finished sequences leave the batch)."""
         running = [s for s in self._seqs.values() if s.feed]
         if running:
-            inputs = [s.feed[:PREFILL_CHUNK] for s in running]
+            inputs = [s.feed[: prompt_chunk(len(s.feed))] for s in running]
             clock = time.perf_counter()
-            out = self.model.forward_batch(inputs, [s.cache for s in running])
+            out = self.model.forward_batch(inputs, [s.cache for s in running])  # type: ignore[misc]
             elapsed = time.perf_counter() - clock
             for s, fed, logits in zip(running, inputs, out):
                 del s.feed[: len(fed)]
                 s.elapsed += elapsed
                 if not s.feed:
                     s.logits = logits
+                    self._start_waiting(s)
         pieces: list[Piece] = []
         for s in list(self._seqs.values()):
             if s.logits is None:
                 continue
             clock = time.perf_counter()
-            token = s.sampler(s.logits)
-            s.logits = None
+            logits, s.logits = s.logits, None
+            token = s.sampler(logits)
             piece, done = s.text.add(token)
+            if s.logprobs is not None and done != "eos":  # an end token is not one of the tokens
+                s.pending_logprobs.append(token_logprob(logits, token, s.logprobs))
             s.stats.count(s.elapsed + time.perf_counter() - clock)
             s.elapsed = 0.0
             if piece is not None:
                 s.parts.append(piece.text)
                 s.tokens.extend(piece.tokens)
-                pieces.append(Piece(piece.text, piece.tokens, index=s.uid))
+                pieces.append(Piece(piece.text, piece.tokens, index=s.uid, logprobs=s.take_logprobs()))
             if done is None:
                 s.feed = [token]
                 continue
@@ -755,6 +860,7 @@ class BatchGenerator:
             s.tokens.extend(last.tokens)
             del self._seqs[s.uid]
             if s.prompt_cache is not None:
+                assert s.cache is not None
                 s.prompt_cache.insert(s.cache)
-            pieces.append(Piece(last.text, last.tokens, done, index=s.uid, result=s.result(done)))
+            pieces.append(Piece(last.text, last.tokens, done, index=s.uid, result=s.result(done), logprobs=s.take_logprobs()))
         return pieces

@@ -207,6 +207,10 @@ class Model:
         (O(1)) and ``diverged="raise"`` raises instead. When the cache already holds all
         of ``ids``, the last position is run again for its logits.
 
+        The last token's logits always come from a decode row (:func:`prompt_chunk`), so
+        a prompt run again on a cache that holds it (a prompt-cache hit of the whole
+        prompt) gives bit for bit the logits of the run that filled the cache.
+
         Everything that could refuse the call is checked before the cache changes.
 
         Returns:
@@ -221,8 +225,13 @@ class Model:
         """
         wanted = as_ids(ids)
         keep = self._sync_start(wanted, cache, diverged)
-        logits = self.forward(wanted[keep:], cache)
-        return Sync(kept=keep, ran=len(wanted) - keep, logits=logits)
+        rest = wanted[keep:]
+        while True:
+            n = prompt_chunk(len(rest))
+            logits = self.forward(rest[:n], cache)
+            rest = rest[n:]
+            if not rest:
+                return Sync(kept=keep, ran=len(wanted) - keep, logits=logits)
 
     def _sync_start(self, wanted: list[int], cache: KVCache, diverged: str) -> int:
         """:meth:`sync` up to the run: checks everything, crops the cache to what it
@@ -278,6 +287,18 @@ class Model:
             f"kv_heads={c.num_key_value_heads}, dtype={self.dtype!r}, device={self.device!r}"
             f"{', quantized' if self.quantized else ''})"
         )
+
+
+def prompt_chunk(left: int) -> int:
+    """How many of the ``left`` prompt tokens still to run go into the next forward:
+    up to :data:`kvcandle.PREFILL_CHUNK`, but never the last token inside a chunk longer
+    than :data:`kvcandle.SMALL_CHUNK`. The last token then runs as a decode row (chunks
+    up to ``SMALL_CHUNK`` tokens already do), so the logits a prompt ends with are the
+    same arithmetic whether the rest of it ran just before or came from a cache.
+    :meth:`Model.sync` and :class:`kvcandle.BatchGenerator` both cut prompts here."""
+    if left <= _core.SMALL_CHUNK:
+        return left
+    return min(left - 1, _core.PREFILL_CHUNK)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ Hugging Face directory's ``tokenizer.json``. Backed by Hugging Face ``tokenizers
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -429,6 +430,29 @@ class Tokenizer:
         except (TemplateError, TypeError, KeyError) as e:
             raise ValueError(f"the chat template cannot render these messages: {e}") from e
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def token_bytes(self, id: int) -> bytes:
+        """The bytes token ``id`` adds to a text it continues (a leading space
+        included): what the OpenAI API's ``logprobs`` give as a token's ``bytes``. A
+        token holding part of a character gives that part.
+
+        Raises:
+            TokenIdError: ``id`` is not in the vocabulary.
+        """
+        n = self.vocab_size
+        if as_int(id) is None or not 0 <= int(id) < n:
+            raise TokenIdError(f"token id {show(id)} is out of range: the vocabulary has {n} ids (0..{n})")
+        text = self._backend.decode([int(id)], False, True)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self._backend.id_to_piece(int(id)) or ""
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if byte is not None:  # a SentencePiece byte piece
+            return bytes([int(byte.group(1), 16)])
+        inverse = {c: b for b, c in _byte_alphabet().items()}
+        if piece and all(c in inverse for c in piece):  # a byte-level piece
+            return bytes(inverse[c] for c in piece)
+        return text.encode("utf-8")
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self._backend.piece_to_id(token)
