@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +20,7 @@ import openai
 import pytest
 
 import kvcandle
+from kvcandle.server.process import ServerProcess, spawn
 
 HOST = "127.0.0.1"
 START_SECONDS = 180
@@ -29,9 +28,8 @@ REQUEST_SECONDS = 120
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen[str], port: int, lines: "queue.Queue[str]") -> None:
-        self.proc, self.port, self.lines = proc, port, lines
-        self.url = f"http://{HOST}:{port}"
+    def __init__(self, process: ServerProcess) -> None:
+        self.process, self.port, self.url = process, process.port, process.url
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", timeout=REQUEST_SECONDS, max_retries=0)
 
     def http(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
@@ -65,39 +63,10 @@ class Server:
 
 @contextlib.contextmanager
 def running_server(*options: str) -> Iterator[Server]:
-    cmd = [sys.executable, "-m", "kvcandle", "serve", "--host", HOST, "--port", "0", *options]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-
-    def drain() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.put(line)
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        deadline, seen = time.monotonic() + START_SECONDS, []
-        port = None
-        while port is None:
-            left = deadline - time.monotonic()
-            if left <= 0 or proc.poll() is not None:
-                raise AssertionError(f"kvcandle serve did not start (exit {proc.poll()}): {''.join(seen)}")
-            try:
-                line = lines.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            seen.append(line)
-            if "listening on http://" in line:
-                port = int(line.split("http://")[1].split()[0].rsplit(":", 1)[1])
-        yield Server(proc, port, lines)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+    """The real server (``python -m kvcandle serve``) on a free port of 127.0.0.1,
+    stopped (SIGTERM) when the block ends."""
+    with spawn(*options, host=HOST, start_seconds=START_SECONDS) as process:
+        yield Server(process)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from typing import IO, Optional
 
 from ..model import Model
 from .app import Settings, create_app
+from .process import READY
 
 __all__ = ["Settings", "create_app", "default_name", "serve"]
 
@@ -44,7 +45,7 @@ def serve(model: Model, settings: Settings, *, host: str = "127.0.0.1", port: in
     async def startup(sockets: Optional[list[socket.socket]] = None) -> None:
         await original(sockets=sockets)
         shown = f"[{host}]" if family == socket.AF_INET6 else host
-        print(f"kvcandle serve: listening on http://{shown}:{bound} (model {settings.served_name})", file=log, flush=True)
+        print(f"kvcandle serve: {READY}{shown}:{bound} (model {settings.served_name})", file=log, flush=True)
 
     server.startup = startup  # type: ignore[method-assign]
     server.run(sockets=[sock])

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .._checks import as_int, as_number, show
+from .._checks import as_int, show
 from ..errors import InputError
 from ..generation import TokenLogprob
 from ..model import Model
@@ -87,10 +87,6 @@ def parse_json(body: bytes) -> dict[str, Any]:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
-
-
-def _opt(body: dict[str, Any], name: str) -> Any:
-    return body.get(name)
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
