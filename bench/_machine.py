@@ -7,9 +7,14 @@ FEATURES = ["avx512f", "avx512_vnni", "avx2", "fma", "f16c", "amx_tile"]
 
 
 def cpu_features() -> str:
-    """The CPU's SIMD features among :data:`FEATURES` (Linux's /proc/cpuinfo), or "unknown"."""
+    """The CPU's SIMD features among :data:`FEATURES` (Linux's /proc/cpuinfo; "unknown"
+    elsewhere), and the level kvcandle's kernels run at (the best the CPU runs, or the
+    one ``KVCANDLE_SIMD`` forces)."""
+    import kvcandle
+
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     except (OSError, StopIteration):
-        return "unknown"
-    return " ".join(f for f in FEATURES if f in flags)
+        flags = []
+    listed = " ".join(f for f in FEATURES if f in flags) or "unknown"
+    return f"{listed}; kvcandle kernels: {kvcandle.simd_level()}"

@@ -51,12 +51,15 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="skip the 4,096 context and the no-cache experiment")
     ap.add_argument("--plot", default=None, help="write a PNG of decode step time against context")
     ap.add_argument("--engines", nargs="*", default=None, help="only these engines (names as printed)")
+    ap.add_argument("--simd", default=None, help="force kvcandle's kernels to this SIMD level (KVCANDLE_SIMD: avx512, avx2, portable)")
     return ap.parse_args()
 
 
 ARGS = parse()
 # every engine gets the same thread count; kvcandle reads it when first used
 os.environ["RAYON_NUM_THREADS"] = str(ARGS.threads)
+if ARGS.simd is not None:
+    os.environ["KVCANDLE_SIMD"] = ARGS.simd
 
 import numpy as np  # noqa: E402
 
@@ -265,6 +268,13 @@ def main() -> None:
     threads = args.threads
     print(f"cpu: {cpu_description()}")
     print(f"threads: {threads} for every engine ({os.cpu_count()} CPUs); kvcandle {kvcandle.__version__}")
+    print(f"kvcandle's kernels: {kvcandle.simd_level()} (this CPU runs {', '.join(kvcandle.simd_levels())})")
+    try:
+        import llama_cpp
+
+        print(f"llama.cpp {llama_cpp.__version__} built for: {llama_cpp.llama_print_system_info().decode().strip()}")
+    except ImportError:
+        pass
     rate_before = memory_read_rate(threads)
     print(f"memory read rate: {rate_before:.1f} GB/s ({threads} threads)")
 

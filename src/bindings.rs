@@ -160,6 +160,7 @@ impl Model {
     ) -> PyResult<Self> {
         let dev = parse_device(device).py_err(py)?;
         let dt = parse_dtype(dtype, &dev).py_err(py)?;
+        crate::kernels::matvec::forced().map_err(Error::Device).py_err(py)?;
         let report = |done: usize, total: usize| {
             if let Some(callback) = &progress {
                 // A failing callback must not fail the load; its error is dropped.
@@ -609,6 +610,20 @@ impl PySentencePiece {
     }
 }
 
+/// The SIMD level kvcandle's own kernels run at (`avx512`, `avx2` or `portable`): the
+/// best this CPU runs, or the one `KVCANDLE_SIMD` forces.
+#[pyfunction]
+fn simd_level(py: Python<'_>) -> PyResult<&'static str> {
+    crate::kernels::matvec::forced().map_err(Error::Device).py_err(py)?;
+    Ok(crate::kernels::matvec::kernel().short_name())
+}
+
+/// The SIMD levels this CPU runs, the best last.
+#[pyfunction]
+fn simd_levels() -> Vec<&'static str> {
+    crate::kernels::matvec::Kernel::available().into_iter().map(|k| k.short_name()).collect()
+}
+
 /// Bytes of the blocks `caches` refer to together, each block counted once.
 #[pyfunction]
 fn held_bytes(caches: Vec<Bound<'_, KVCache>>) -> PyResult<usize> {
@@ -622,6 +637,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Model>()?;
     m.add_function(wrap_pyfunction!(read_gguf_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(held_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(simd_level, m)?)?;
+    m.add_function(wrap_pyfunction!(simd_levels, m)?)?;
+    m.add("SIMD_ENV", crate::kernels::matvec::SIMD_ENV)?;
     m.add("BLOCK_LEN", crate::cache::BLOCK_LEN)?;
     m.add("SMALL_CHUNK", crate::model::SMALL_CHUNK)?;
     m.add("PREFILL_CHUNK", crate::model::PREFILL_CHUNK)?;

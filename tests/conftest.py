@@ -20,6 +20,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"kvcandle {kvcandle.__version__} from {Path(kvcandle._core.__file__).parent}",
         f"threads: RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS')} (kvcandle and torch); {os.cpu_count()} CPUs",
         f"cpu: {cpu_description()}",
+        f"simd: kvcandle's kernels at {kvcandle.simd_level()} (this CPU runs {', '.join(kvcandle.simd_levels())}; {kvcandle.SIMD_ENV}={os.environ.get(kvcandle.SIMD_ENV)})",
     ]
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvcandle
-from builders import SHAPES, RawGGUF, Shape, hf_config, max_abs, tiny_weights, write_gguf, write_hf_dir
+from builders import SHAPES, RawGGUF, Shape, hf_config, max_abs, ref_logits, tiny_weights, write_gguf, write_hf_dir
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
@@ -291,3 +291,14 @@ def test_gguf_rope_factors_are_checked_and_upstream_refuses_them(tmp_path):
     raw.tensor("rope_freqs.weight")[1] = [llama3.head_dim]  # one factor too many for head_dim / 2
     with pytest.raises(kvcandle.ModelLoadError, match=r"rope_freqs.weight has \d+ factors, head_dim"):
         kvcandle.load(raw.write(tmp_path / "bad.gguf"))
+
+
+def test_metal_runs_the_tiny_model_within_the_float32_bound(tiny_dirs, tiny_references):
+    # macOS builds compile Metal in; everywhere else this skips, saying so
+    if "metal" not in kvcandle.compiled_devices:
+        pytest.skip("Metal is not compiled into this build (macOS builds only)")
+    model = kvcandle.load(tiny_dirs["gqa"], device="metal")
+    ids = [1, 5, 9, 2, 7, 3]
+    cache = model.new_cache()
+    rows = [model.forward(ids[:3], cache)] + [model.forward([t], cache) for t in ids[3:]]
+    assert max_abs(np.stack(rows), ref_logits(tiny_references["gqa"], ids)[2:]) <= 1e-4

@@ -8,7 +8,7 @@
 """
 
 from . import upstream
-from ._core import BLOCK_LEN, PREFILL_CHUNK, SMALL_CHUNK, __version__, compiled_devices
+from ._core import BLOCK_LEN, PREFILL_CHUNK, SIMD_ENV, SMALL_CHUNK, __version__, compiled_devices, simd_level, simd_levels
 from ._default import default_model_path
 from .beam import beam_search
 from .cache import KVCache, LayerView, held_bytes
@@ -35,6 +35,9 @@ from .tokenizer import Tokenizer
 __all__ = [
     "__version__",
     "compiled_devices",
+    "simd_level",
+    "simd_levels",
+    "SIMD_ENV",
     "BLOCK_LEN",
     "SMALL_CHUNK",
     "PREFILL_CHUNK",

@@ -12,11 +12,19 @@
 //! written with eight-lane arrays that the compiler vectorizes (NEON on aarch64, SSE2 on
 //! any x86-64). Each is tested against a float64 reference.
 
-/// The instruction set this CPU's kernels use (these and the decode attention's), chosen
-/// once.
+/// The environment variable that forces the instruction set of kvcandle's own kernels
+/// (`avx512`, `avx2` or `portable`), read once, when a kernel first runs: so that each
+/// path can be measured and tested on one machine. Unset (or empty), the best the CPU
+/// runs is used.
+pub const SIMD_ENV: &str = "KVCANDLE_SIMD";
+
+/// The instruction set this CPU's kernels use (these, the decode attention's and the
+/// quantized products'), chosen once: [`SIMD_ENV`] if it names one the CPU runs,
+/// otherwise the best available (an unusable [`SIMD_ENV`] is refused earlier, by
+/// [`forced`], when a model loads).
 pub fn kernel() -> Kernel {
     static K: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
-    *K.get_or_init(detect)
+    *K.get_or_init(|| forced().ok().flatten().unwrap_or_else(best))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,17 +34,27 @@ pub enum Kernel {
     Portable,
 }
 
-fn detect() -> Kernel {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") {
-            return Kernel::Avx512;
-        }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            return Kernel::Avx2;
-        }
+fn best() -> Kernel {
+    *Kernel::available().last().expect("the portable kernel is always available")
+}
+
+/// The level [`SIMD_ENV`] asks for: `Ok(None)` when it is unset or empty, an error naming
+/// the value when it is not a level's name or the CPU cannot run that level.
+pub fn forced() -> Result<Option<Kernel>, String> {
+    let Ok(value) = std::env::var(SIMD_ENV) else { return Ok(None) };
+    let wanted = value.trim().to_ascii_lowercase();
+    if wanted.is_empty() {
+        return Ok(None);
     }
-    Kernel::Portable
+    let names: Vec<&str> = Kernel::available().iter().map(|k| k.short_name()).collect();
+    let level = [Kernel::Avx512, Kernel::Avx2, Kernel::Portable]
+        .into_iter()
+        .find(|k| k.short_name() == wanted)
+        .ok_or_else(|| format!("{SIMD_ENV}={value:?} is not a SIMD level: use one of avx512, avx2, portable (this CPU runs {})", names.join(", ")))?;
+    if !Kernel::available().contains(&level) {
+        return Err(format!("{SIMD_ENV}={value:?}: this CPU cannot run that level; it runs {}", names.join(", ")));
+    }
+    Ok(Some(level))
 }
 
 impl Kernel {
@@ -48,16 +66,26 @@ impl Kernel {
         }
     }
 
-    /// The kernels this CPU can run (for tests: each is checked).
+    /// The name [`SIMD_ENV`] takes.
+    pub fn short_name(self) -> &'static str {
+        match self {
+            Kernel::Avx512 => "avx512",
+            Kernel::Avx2 => "avx2",
+            Kernel::Portable => "portable",
+        }
+    }
+
+    /// The kernels this CPU can run, the best last (for tests: each is checked).
     pub fn available() -> Vec<Kernel> {
         #[allow(unused_mut)] // only x86-64 adds kernels
         let mut v = vec![Kernel::Portable];
         #[cfg(target_arch = "x86_64")]
         {
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // the AVX2 kernels convert half floats too (F16C came before AVX2 on every x86 CPU)
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c") {
                 v.push(Kernel::Avx2);
             }
-            if std::is_x86_feature_detected!("avx512f") {
+            if std::is_x86_feature_detected!("avx512f") && v.contains(&Kernel::Avx2) {
                 v.push(Kernel::Avx512);
             }
         }

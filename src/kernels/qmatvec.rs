@@ -388,16 +388,10 @@ struct Row<'a> {
     qs: &'a [u8],
 }
 
+/// Whether the AVX2 kernels run: the CPU has AVX2, FMA and F16C, and
+/// [`crate::kernels::matvec::SIMD_ENV`] does not force the portable ones.
 fn has_avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // F16C (half-precision conversion) came before AVX2 on every x86 CPU; checked anyway
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::kernels::matvec::kernel() != crate::kernels::matvec::Kernel::Portable
 }
 
 /// Whether this CPU runs the int8 kernels: AVX2 + FMA + F16C on x86-64; NEON, which every

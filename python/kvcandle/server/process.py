@@ -56,7 +56,8 @@ def spawn(*options: str, host: str = "127.0.0.1", start_seconds: float = 180, st
 
     threading.Thread(target=drain, daemon=True).start()
     try:
-        deadline, seen, port = time.monotonic() + start_seconds, [], None
+        deadline, port = time.monotonic() + start_seconds, None
+        seen: list[str] = []
         while port is None:
             left = deadline - time.monotonic()
             if left <= 0 or proc.poll() is not None:

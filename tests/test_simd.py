@@ -1,0 +1,74 @@
+"""The SIMD level of kvcandle's own kernels: the best the CPU runs, or the one
+``KVCANDLE_SIMD`` forces (read once, when a kernel first runs), so that every path can be
+tested and measured on one machine. ``scripts/test.sh`` runs the suite again under each
+level below the best; here: the level is reported, forced, and a bad value refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kvcandle
+
+PROBE = """
+import kvcandle, numpy as np
+print(kvcandle.simd_level())
+model = kvcandle.load()
+cache = model.new_cache()
+ids = model.tokenizer.encode("The capital of France is")
+model.forward(ids[:-1], cache)
+print(model.tokenizer.decode([int(np.argmax(model.forward([ids[-1]], cache)))]))
+"""
+
+
+def run(code: str, level: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != kvcandle.SIMD_ENV}
+    if level is not None:
+        env[kvcandle.SIMD_ENV] = level
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_levels_are_reported():
+    levels = kvcandle.simd_levels()
+    assert levels[0] == "portable" and set(levels) <= {"portable", "avx2", "avx512"}
+    assert kvcandle.simd_level() in levels
+    if os.environ.get(kvcandle.SIMD_ENV):
+        assert kvcandle.simd_level() == os.environ[kvcandle.SIMD_ENV].strip().lower()
+    else:
+        assert kvcandle.simd_level() == levels[-1]  # the best, unforced
+
+
+@pytest.mark.parametrize("level", ["portable", "avx2", "avx512"])
+def test_each_level_can_be_forced(level):
+    if level not in kvcandle.simd_levels():
+        pytest.skip(f"this CPU cannot run {level} (it runs {kvcandle.simd_levels()})")
+    got = run(PROBE, level)
+    assert got.returncode == 0, got.stderr
+    reported, word = got.stdout.splitlines()[:2]
+    assert reported == level
+    assert word.strip() == "Paris"
+
+
+@pytest.mark.parametrize("value", ["sse9", "avx-512", "fast"])
+def test_a_bad_level_is_refused_by_name(value):
+    got = run("import kvcandle\ntry:\n    kvcandle.load()\nexcept kvcandle.DeviceError as e:\n    print('DeviceError', e)\n", value)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.startswith("DeviceError") and value in got.stdout and "avx512, avx2, portable" in got.stdout
+
+
+def test_a_level_the_cpu_lacks_is_refused():
+    missing = [level for level in ("avx2", "avx512") if level not in kvcandle.simd_levels()]
+    if not missing:
+        pytest.skip(f"this CPU runs every level ({kvcandle.simd_levels()}): none to refuse")
+    got = run("import kvcandle\ntry:\n    kvcandle.simd_level()\nexcept kvcandle.DeviceError as e:\n    print('DeviceError', e)\n", missing[0])
+    assert got.stdout.startswith("DeviceError") and "cannot run" in got.stdout, got.stdout + got.stderr
+
+
+def test_info_names_the_level():
+    got = subprocess.run([sys.executable, "-m", "kvcandle", "info"], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    line = next(l for l in got.stdout.splitlines() if l.startswith("SIMD level"))
+    assert kvcandle.simd_level() in line and kvcandle.SIMD_ENV in line
