@@ -494,8 +494,21 @@ impl Norm {
         Ok(Self { weight, floats, eps })
     }
 
+    /// Every row of `x` normalised. On the CPU in float32, each row as [`Norm::apply`]
+    /// does it (the mean of squares in float64), so a prefill's rows get a decode row's
+    /// arithmetic; elsewhere candle's kernel.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32)
+        let x = x.contiguous()?;
+        if !(x.device().is_cpu() && x.dtype() == DType::F32) {
+            return candle_nn::ops::rms_norm(&x, &self.weight, self.eps as f32);
+        }
+        let d = self.floats.len();
+        let src = x.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = vec![0f32; src.len()];
+        for (row, o) in src.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            self.apply(row, o);
+        }
+        Tensor::from_vec(out, x.shape(), x.device())
     }
 
     /// One vector: `out = x / sqrt(mean(x²) + eps) * weight`, the mean accumulated in

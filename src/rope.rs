@@ -1,7 +1,9 @@
 //! Rotary position embedding. The angles of the positions a call needs are computed
-//! for that call (in float32, as transformers does, then cast to the model dtype): a few
-//! thousand sines per chunk, and no table sized by the context length, so a header
-//! claiming 2^24 positions costs nothing until they are used.
+//! for that call, in float64 (frequencies, angles, sines and cosines), then rounded once
+//! to float32: transformers computes them in float32, where an angle at position 2,000
+//! is already off by about 1e-4 radians. A few thousand sines per chunk, and no table
+//! sized by the context length, so a header claiming 2^24 positions costs nothing until
+//! they are used.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_transformers::models::llama::{Llama3RopeConfig, Llama3RopeType};
@@ -9,7 +11,7 @@ use candle_transformers::models::llama::{Llama3RopeConfig, Llama3RopeType};
 use crate::config::ModelConfig;
 
 pub struct Rope {
-    inv_freq: Vec<f32>,
+    inv_freq: Vec<f64>,
     dtype: DType,
     device: Device,
 }
@@ -22,21 +24,28 @@ impl Rope {
     /// cos and sin of positions `offset..offset + seq`, each (seq, head_dim / 2).
     pub fn tables(&self, offset: usize, seq: usize) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
-        let mut angles = Vec::with_capacity(seq * half);
+        let (mut cos, mut sin) = (Vec::with_capacity(seq * half), Vec::with_capacity(seq * half));
         for p in offset..offset + seq {
-            let p = p as f32;
-            angles.extend(self.inv_freq.iter().map(|f| p * f));
+            let (c, s) = self.cos_sin(p);
+            cos.extend(c);
+            sin.extend(s);
         }
-        let angles = Tensor::from_vec(angles, (seq, half), &self.device)?;
-        Ok((angles.cos()?.to_dtype(self.dtype)?, angles.sin()?.to_dtype(self.dtype)?))
+        let cos = Tensor::from_vec(cos, (seq, half), &self.device)?;
+        let sin = Tensor::from_vec(sin, (seq, half), &self.device)?;
+        Ok((cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?))
+    }
+
+    /// cos and sin of position `pos`'s angles, computed in float64 and rounded once.
+    fn cos_sin(&self, pos: usize) -> (Vec<f32>, Vec<f32>) {
+        let p = pos as f64;
+        self.inv_freq.iter().map(|f| { let a = p * f; (a.cos() as f32, a.sin() as f32) }).unzip()
     }
 
     /// Rotates `heads` heads of one position `pos` in place, as [`Rope::apply`] does with
-    /// `tables(pos, 1)` (the same float32 angles).
+    /// `tables(pos, 1)` (the same rounded sines and cosines).
     pub fn rotate(&self, x: &mut [f32], pos: usize) {
         let half = self.inv_freq.len();
-        let p = pos as f32;
-        let (cos, sin): (Vec<f32>, Vec<f32>) = self.inv_freq.iter().map(|f| { let a = p * f; (a.cos(), a.sin()) }).unzip();
+        let (cos, sin) = self.cos_sin(pos);
         for head in x.chunks_exact_mut(2 * half) {
             let (x1, x2) = head.split_at_mut(half);
             for i in 0..half {
@@ -54,12 +63,12 @@ impl Rope {
     }
 }
 
-fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f32> {
+fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f64> {
     let d = cfg.head_dim;
-    let base: Vec<f32> =
-        (0..d).step_by(2).map(|i| 1.0 / cfg.rope_theta.powf(i as f32 / d as f32)).collect();
+    let base: Vec<f64> =
+        (0..d).step_by(2).map(|i| 1.0 / (cfg.rope_theta as f64).powf(i as f64 / d as f64)).collect();
     match (&cfg.rope_freq_factors, &cfg.rope_scaling) {
-        (Some(factors), _) => base.iter().zip(factors).map(|(f, k)| f / k).collect(),
+        (Some(factors), _) => base.iter().zip(factors).map(|(f, k)| f / *k as f64).collect(),
         (None, Some(s)) if matches!(s.rope_type, Llama3RopeType::Llama3) => base.into_iter().map(|f| llama3_scale(f, s)).collect(),
         _ => base,
     }
@@ -67,16 +76,17 @@ fn inverse_frequencies(cfg: &ModelConfig) -> Vec<f32> {
 
 /// Llama 3.1 frequency scaling: long wavelengths are slowed down by `factor`, short
 /// ones kept, and the band between interpolated smoothly.
-fn llama3_scale(freq: f32, s: &Llama3RopeConfig) -> f32 {
-    let original = s.original_max_position_embeddings as f32;
-    let wavelen = 2.0 * std::f32::consts::PI / freq;
-    let (low_wavelen, high_wavelen) = (original / s.low_freq_factor, original / s.high_freq_factor);
+fn llama3_scale(freq: f64, s: &Llama3RopeConfig) -> f64 {
+    let original = s.original_max_position_embeddings as f64;
+    let (factor, low, high) = (s.factor as f64, s.low_freq_factor as f64, s.high_freq_factor as f64);
+    let wavelen = 2.0 * std::f64::consts::PI / freq;
+    let (low_wavelen, high_wavelen) = (original / low, original / high);
     if wavelen < high_wavelen {
         freq
     } else if wavelen > low_wavelen {
-        freq / s.factor
+        freq / factor
     } else {
-        let smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
-        (1.0 - smooth) * freq / s.factor + smooth * freq
+        let smooth = (original / wavelen - low) / (high - low);
+        (1.0 - smooth) * freq / factor + smooth * freq
     }
 }
