@@ -358,12 +358,26 @@ mod x86 {
         let p: [*const f32; R] = std::array::from_fn(|j| w.as_ptr().add((r + j) * cols));
         let mut acc = [[_mm256_setzero_ps(); M]; R];
         let mut c = 0;
-        while c < body {
-            if M > 1 && c % 16 == 0 {
-                for pj in p {
-                    _mm_prefetch::<_MM_HINT_T0>(pj.wrapping_add(c + PREFETCH_FLOATS) as *const i8);
+        // a cache line (16 floats) of each row per pass, asked for PREFETCH_FLOATS ahead:
+        // eight rows are eight streams, more than the hardware prefetcher follows well
+        // (measured: default model, Xeon with the AVX2 kernels forced, float32 decode 47.0-47.7 ->
+        // 50.2-51.5 tok/s, the AVX-512 kernels 52.2; 4 inputs +3 %, 8 the same)
+        while c + 16 <= body {
+            for pj in p {
+                _mm_prefetch::<_MM_HINT_T0>(pj.wrapping_add(c + PREFETCH_FLOATS) as *const i8);
+            }
+            for half in [c, c + 8] {
+                let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(p[j].add(half)));
+                for m in 0..M {
+                    let x = _mm256_loadu_ps(xp[m].add(half));
+                    for j in 0..R {
+                        acc[j][m] = _mm256_fmadd_ps(wv[j], x, acc[j][m]);
+                    }
                 }
             }
+            c += 16;
+        }
+        while c < body {
             let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(p[j].add(c)));
             for m in 0..M {
                 let x = _mm256_loadu_ps(xp[m].add(c));
