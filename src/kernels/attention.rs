@@ -428,10 +428,146 @@ unsafe fn reduce16(x: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__
     pair(pair(u[0], u[1]), pair(u[2], u[3]))
 }
 
+/// Positions per block of the AVX2 task: one register's worth of scores.
+#[cfg(target_arch = "x86_64")]
+const LANES8: usize = 8;
+
+/// [`chunk_avx512`] with AVX2's sixteen registers, for head sizes that are a multiple of
+/// 32: blocks of 8 positions, the 8 keys' products with a query head in 8 registers
+/// turned into one register of 8 scores by three horizontal adds and a lane swap; values
+/// accumulated for up to 3 query heads × 32 dimensions in registers over a block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by query head and block
 unsafe fn chunk_avx2<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
-    chunk_portable(q, kv, h, positions)
+    use std::arch::x86_64::*;
+    let d = kv.head_dim;
+    if !d.is_multiple_of(32) {
+        return chunk_portable(q, kv, h, positions);
+    }
+    let n_rep = q.len() / d;
+    let n = positions.len();
+    let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
+    let start = positions.start;
+    let group = |i0: usize| kv.run(h, start + i0..start + (i0 + LANES8).min(n));
+    DECODE.with(|buffers| {
+        let (scores, block) = &mut *buffers.borrow_mut();
+        scores.clear();
+        scores.resize(n_rep * n, 0.0);
+        block.resize(LANES8 * d, 0.0);
+        let rows = |src: &[T], i0: usize, block: &mut Vec<f32>| -> *const f32 {
+            let m = LANES8.min(n - i0);
+            match T::as_f32(src) {
+                Some(s) if m == LANES8 => s.as_ptr(),
+                _ => {
+                    match T::as_f32(src) {
+                        Some(s) => block[..m * d].copy_from_slice(s),
+                        None => T::widen_into(src, &mut block[..m * d]),
+                    }
+                    block[m * d..].fill(0.0);
+                    block.as_ptr()
+                }
+            }
+        };
+        for i0 in (0..n).step_by(LANES8) {
+            let (keys, values) = group(i0);
+            let k = rows(keys, i0, block);
+            let m = LANES8.min(n - i0);
+            {
+                let ahead = i0 + 2 * LANES8;
+                if ahead < n {
+                    let kp = group(ahead).0;
+                    for off in (0..std::mem::size_of_val(kp)).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>((kp.as_ptr() as *const i8).add(off));
+                    }
+                }
+                for off in (0..std::mem::size_of_val(values)).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T1>((values.as_ptr() as *const i8).add(off));
+                }
+            }
+            for r in 0..n_rep {
+                let qr = q.as_ptr().add(r * d);
+                let mut acc = [_mm256_setzero_ps(); LANES8];
+                for c in (0..d).step_by(8) {
+                    let qc = _mm256_loadu_ps(qr.add(c));
+                    for j in 0..LANES8 {
+                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(k.add(j * d + c)), qc, acc[j]);
+                    }
+                }
+                let s = _mm256_mul_ps(reduce8(&acc), scale);
+                let out = scores.as_mut_ptr().add(r * n + i0);
+                if m == LANES8 {
+                    _mm256_storeu_ps(out, s);
+                } else {
+                    let mut lanes = [0f32; LANES8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), s);
+                    std::ptr::copy_nonoverlapping(lanes.as_ptr(), out, m);
+                }
+            }
+        }
+        let mut parts = exponentiate(scores, n, d);
+        for i0 in (0..n).step_by(LANES8) {
+            let v = rows(group(i0).1, i0, block);
+            let m = LANES8.min(n - i0);
+            for r0 in (0..n_rep).step_by(3) {
+                match n_rep - r0 {
+                    1 => accumulate8::<1>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                    2 => accumulate8::<2>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                    _ => accumulate8::<3>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                }
+            }
+        }
+        parts
+    })
+}
+
+/// [`accumulate`] with AVX2 registers: `G` query heads × 32 dimensions at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn accumulate8<const G: usize>(parts: &mut [Partial], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+    use std::arch::x86_64::*;
+    for c0 in (0..d).step_by(32) {
+        let mut acc = [[_mm256_setzero_ps(); 4]; G];
+        for g in 0..G {
+            for b in 0..4 {
+                acc[g][b] = _mm256_loadu_ps(parts[g].acc.as_ptr().add(c0 + 8 * b));
+            }
+        }
+        for i in 0..m {
+            let row = v.add(i * d + c0);
+            let vb = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)), _mm256_loadu_ps(row.add(16)), _mm256_loadu_ps(row.add(24))];
+            for g in 0..G {
+                let w = _mm256_set1_ps(*scores.get_unchecked((r0 + g) * n + i0 + i));
+                for b in 0..4 {
+                    acc[g][b] = _mm256_fmadd_ps(w, vb[b], acc[g][b]);
+                }
+            }
+        }
+        for g in 0..G {
+            for b in 0..4 {
+                _mm256_storeu_ps(parts[g].acc.as_mut_ptr().add(c0 + 8 * b), acc[g][b]);
+            }
+        }
+    }
+}
+
+/// The sums of each of 8 registers' lanes, as one register (lane j: the sum of `x[j]`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn reduce8(x: &[std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // per 128-bit half: [x0 01, x0 23, x1 01, x1 23], then the four sums of x0..x3
+    let t0 = _mm256_hadd_ps(x[0], x[1]);
+    let t1 = _mm256_hadd_ps(x[2], x[3]);
+    let t2 = _mm256_hadd_ps(x[4], x[5]);
+    let t3 = _mm256_hadd_ps(x[6], x[7]);
+    let u0 = _mm256_hadd_ps(t0, t1); // [x0..x3 low-half sums | x0..x3 high-half sums]
+    let u1 = _mm256_hadd_ps(t2, t3); // the same for x4..x7
+    let lo = _mm256_permute2f128_ps::<0x20>(u0, u1);
+    let hi = _mm256_permute2f128_ps::<0x31>(u0, u1);
+    _mm256_add_ps(lo, hi)
 }
 
 /// The task itself; inlined into each instruction-set version. A float16 chunk is widened
