@@ -262,11 +262,26 @@ const QUANTIZED_MATVEC_MAX_ROWS: usize = 8;
 /// quantized tile is dequantized into a buffer first: the whole matrix never is.
 const TILE_ROWS: usize = 64;
 
+/// Columns (the inner dimension) per partial sum of a tile's product: each output is the
+/// sum of its products over `K_PART` columns at a time, added afterwards, instead of one
+/// running sum over every column (gemm keeps one accumulator per output): fewer float32
+/// roundings per sum, as the decode kernels' several accumulators per row have.
+/// Measured (default model, one-pass prefill of six prompts of 39-195 tokens, largest
+/// logit error against float64 over transformers float32's): one sum 0.72-1.47, 256
+/// columns 0.52-0.93, 128 columns 0.30-0.90 but prefill 8 % slower (256: within 2 %).
+const K_PART: usize = 256;
+
 /// Where the tiles of a weight matrix come from.
 enum Tiles<'a> {
     /// float32, row-major
     Float(&'a [f32]),
     Quantized(&'a QMatrix),
+}
+
+thread_local! {
+    /// Each thread's buffers for one tile of a prefill product: (the sum of the partial
+    /// products so far, the next partial product).
+    static PARTS: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// `x W^T` for x (..., cols) float32 and W (n, cols).
@@ -295,20 +310,40 @@ fn tiled_forward(x: &Tensor, n: usize, cols: usize, tiles: Tiles<'_>) -> Result<
                 &buffer[..]
             }
         };
-        // SAFETY: the task writes columns rows.start..rows.end of the (m, n) output,
-        // other tasks other columns; dst is (m, rows.len()) with row stride n, input
-        // (m, cols) row-major, the tile (rows.len(), cols) row-major read as its
-        // transpose; all in bounds.
-        unsafe {
-            gemm::gemm(
-                m, rows.len(), cols,
-                shards.as_mut_ptr().add(rows.start), 1, n as isize, false,
-                input.as_ptr(), 1, cols as isize,
-                w.as_ptr(), cols as isize, 1,
-                0.0, 1.0, false, false, false,
-                gemm::Parallelism::None,
-            );
-        }
+        let r = rows.len();
+        PARTS.with(|parts| {
+            let (sum, part) = &mut *parts.borrow_mut();
+            sum.clear();
+            sum.resize(m * r, 0.0);
+            part.resize(m * r, 0.0);
+            for k0 in (0..cols).step_by(K_PART) {
+                let k = K_PART.min(cols - k0);
+                let dst = if k0 == 0 { &mut sum[..] } else { &mut part[..] };
+                // SAFETY: dst is (m, r) row-major, input columns k0..k0 + k of (m, cols)
+                // row-major, the tile's columns k0..k0 + k of (r, cols) row-major read as
+                // its transpose; all in bounds.
+                unsafe {
+                    gemm::gemm(
+                        m, r, k,
+                        dst.as_mut_ptr(), 1, r as isize, false,
+                        input.as_ptr().add(k0), 1, cols as isize,
+                        w.as_ptr().add(k0), cols as isize, 1,
+                        0.0, 1.0, false, false, false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                if k0 > 0 {
+                    for (s, p) in sum.iter_mut().zip(part.iter()) {
+                        *s += *p;
+                    }
+                }
+            }
+            for (i, row) in sum.chunks_exact(r).enumerate() {
+                // SAFETY: the task writes columns rows.start..rows.end of the (m, n)
+                // output, other tasks other columns
+                unsafe { shards.part(i * n + rows.start..i * n + rows.end) }.copy_from_slice(row);
+            }
+        });
     });
     drop(guard);
     Tensor::from_vec(out, out_dims, x.device())

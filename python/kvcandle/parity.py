@@ -39,6 +39,17 @@ GREEDY_PROMPTS = [
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
     "Once upon a time",
 ]
+#: prompts outside the sequences above, each longer than SMALL_CHUNK tokens, so that a
+#: one-pass prefill takes the matrix-product path (the ``chat`` one is rendered with the
+#: model's template)
+PREFILL_PROMPTS = {
+    "plain text": "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable metal type with an oil-based ink and a wooden press. " * 3,
+    "code": "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n" * 2,
+    "Chinese": "从前有一座山，山里有一座庙，庙里有一个老和尚在给小和尚讲故事。他讲的是什么故事呢？" * 3,
+    "a story": "Once upon a time, a small llama named Pico lived at the edge of a quiet mountain village. Every morning she climbed the hill to watch the sun rise over the lake, " * 2,
+    "chat": "",
+    "whitespace runs": "word    word\n\n\n\t\tindent    more     spaces\n" * 8,
+}
 TOKENIZER_CORPUS = [
     "The capital of France is",
     "Hello, world! How are you doing today?",
@@ -583,6 +594,25 @@ def tokenizer_parity(kv: Model, ref: Reference, corpus: Sequence[str] = TOKENIZE
     return out
 
 
+def prefill_accuracy(kv: Model, ref: Reference) -> list[tuple[str, Row, Row]]:
+    """For each of :data:`PREFILL_PROMPTS`: transformers float32 and kvcandle's one-pass
+    prefill (every position's logits), each against float64 on the same weights."""
+    assert kv.tokenizer is not None
+    out = []
+    for name, text in PREFILL_PROMPTS.items():
+        if name == "chat":
+            text = kv.tokenizer.apply_chat_template([
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Explain why the sky is blue in two sentences, and then list three colours of sunsets."},
+            ])
+        ids = kv.tokenizer.encode(text)
+        seq = RefSequence(name, ids, ref.f64.logits(ids))
+        theirs = seq.measure("transformers, one pass", ref.f32.logits(ids))
+        ours = seq.measure("kvcandle, one pass", kv.forward(ids, kv.new_cache(), all_logits=True))
+        out.append((name, theirs, ours))
+    return out
+
+
 def main() -> None:
     kv = load()
     ref = Reference()
@@ -611,7 +641,11 @@ def main() -> None:
         print(f"- {k}:")
         for kk, vv in v.items():
             print(f"  - {kk}: {vv!r}")
-    print("\n## 7. Tokenizer")
+    print("\n## 7. One-pass prefill of prompts outside the suite (the matrix-product path)\n")
+    print("| prompt | tokens | transformers float32 | kvcandle | kvcandle / transformers |\n|---|---|---|---|---|")
+    for name, theirs, ours in prefill_accuracy(kv, ref):
+        print(f"| {name} | {ours.positions} | {theirs.max_err:.2e} | {ours.max_err:.2e} | {ours.max_err / theirs.max_err:.2f} |")
+    print("\n## 8. Tokenizer")
     toks = tokenizer_parity(kv, ref)
     print(f"- encode equal {sum(t['encode_equal'] for t in toks)}/{len(toks)}, decode equal {sum(t['decode_equal'] for t in toks)}/{len(toks)}")
 
