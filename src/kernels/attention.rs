@@ -306,37 +306,13 @@ unsafe fn chunk_avx512<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, posi
         scores.clear();
         scores.resize(n_rep * n, 0.0);
         block.resize(LANES * d, 0.0);
-        // `src` (rows i0.. of the chunk) as float32: in place, or widened (zero-padded past n)
-        let rows = |src: &[T], i0: usize, block: &mut Vec<f32>| -> *const f32 {
-            let m = LANES.min(n - i0);
-            match T::as_f32(src) {
-                Some(s) if m == LANES => s.as_ptr(),
-                _ => {
-                    match T::as_f32(src) {
-                        Some(s) => block[..m * d].copy_from_slice(s),
-                        None => T::widen_into(src, &mut block[..m * d]),
-                    }
-                    block[m * d..].fill(0.0);
-                    block.as_ptr()
-                }
-            }
-        };
+        let rows = |src: &[T], i0: usize, block: &mut Vec<f32>| block_rows(src, LANES.min(n - i0), LANES, d, block);
         for i0 in (0..n).step_by(LANES) {
             let (keys, values) = group(i0);
             let k = rows(keys, i0, block);
             let m = LANES.min(n - i0);
-            {
-                let ahead = i0 + PF_K * LANES;
-                if ahead < n {
-                    let kp = group(ahead).0;
-                    for off in (0..std::mem::size_of_val(kp)).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>((kp.as_ptr() as *const i8).add(off));
-                    }
-                }
-                for off in (0..std::mem::size_of_val(values)).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>((values.as_ptr() as *const i8).add(off));
-                }
-            }
+            let ahead = i0 + PF_K * LANES;
+            prefetch_block((ahead < n).then(|| group(ahead).0), values);
             for r in 0..n_rep {
                 let qr = q.as_ptr().add(r * d);
                 let mut acc = [_mm512_setzero_ps(); LANES];
@@ -371,6 +347,43 @@ unsafe fn chunk_avx512<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, posi
         }
         parts
     })
+}
+
+/// `m` rows of a block of `lanes` positions as float32: in place when the block is whole
+/// and already float32, otherwise copied or widened into `block` (zero rows past `m`).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn block_rows<T: Stored>(src: &[T], m: usize, lanes: usize, d: usize, block: &mut [f32]) -> *const f32 {
+    match T::as_f32(src) {
+        Some(s) if m == lanes => s.as_ptr(),
+        as_f32 => {
+            match as_f32 {
+                Some(s) => block[..m * d].copy_from_slice(s),
+                None => T::widen_into(src, &mut block[..m * d]),
+            }
+            block[m * d..].fill(0.0);
+            block.as_ptr()
+        }
+    }
+}
+
+/// Asks for a later block's keys (to the first-level cache) and this block's values (to
+/// the second level) while this block's keys are scored.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_block<T>(next_keys: Option<&[T]>, values: &[T]) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+    // SAFETY: prefetching never faults; every address is inside the slices
+    unsafe {
+        if let Some(kp) = next_keys {
+            for off in (0..std::mem::size_of_val(kp)).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>((kp.as_ptr() as *const i8).add(off));
+            }
+        }
+        for off in (0..std::mem::size_of_val(values)).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T1>((values.as_ptr() as *const i8).add(off));
+        }
+    }
 }
 
 /// Adds Σ over the block's `m` positions of weight × value row to the accumulators of
@@ -455,36 +468,13 @@ unsafe fn chunk_avx2<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positi
         scores.clear();
         scores.resize(n_rep * n, 0.0);
         block.resize(LANES8 * d, 0.0);
-        let rows = |src: &[T], i0: usize, block: &mut Vec<f32>| -> *const f32 {
-            let m = LANES8.min(n - i0);
-            match T::as_f32(src) {
-                Some(s) if m == LANES8 => s.as_ptr(),
-                _ => {
-                    match T::as_f32(src) {
-                        Some(s) => block[..m * d].copy_from_slice(s),
-                        None => T::widen_into(src, &mut block[..m * d]),
-                    }
-                    block[m * d..].fill(0.0);
-                    block.as_ptr()
-                }
-            }
-        };
+        let rows = |src: &[T], i0: usize, block: &mut Vec<f32>| block_rows(src, LANES8.min(n - i0), LANES8, d, block);
         for i0 in (0..n).step_by(LANES8) {
             let (keys, values) = group(i0);
             let k = rows(keys, i0, block);
             let m = LANES8.min(n - i0);
-            {
-                let ahead = i0 + 2 * LANES8;
-                if ahead < n {
-                    let kp = group(ahead).0;
-                    for off in (0..std::mem::size_of_val(kp)).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>((kp.as_ptr() as *const i8).add(off));
-                    }
-                }
-                for off in (0..std::mem::size_of_val(values)).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T1>((values.as_ptr() as *const i8).add(off));
-                }
-            }
+            let ahead = i0 + 2 * LANES8;
+            prefetch_block((ahead < n).then(|| group(ahead).0), values);
             for r in 0..n_rep {
                 let qr = q.as_ptr().add(r * d);
                 let mut acc = [_mm256_setzero_ps(); LANES8];

@@ -332,14 +332,7 @@ def _finite(x: float) -> float:
 
 def chunk(req: Request, choices: list[dict[str, Any]], usage_: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """A stream chunk (chat.completion.chunk or text_completion)."""
-    out: dict[str, Any] = {
-        "id": ("chatcmpl-" if req.chat else "cmpl-") + req.id,
-        "object": "chat.completion.chunk" if req.chat else "text_completion",
-        "created": req.created,
-        "model": req.model,
-        "system_fingerprint": None,
-        "choices": choices,
-    }
+    out = _envelope(req, "chat.completion.chunk" if req.chat else "text_completion", choices)
     if req.include_usage:
         out["usage"] = usage_
     return out
@@ -347,14 +340,18 @@ def chunk(req: Request, choices: list[dict[str, Any]], usage_: Optional[dict[str
 
 def response(req: Request, choices: list[dict[str, Any]], usage_: dict[str, Any]) -> dict[str, Any]:
     """A whole (non-streamed) response."""
+    return {**_envelope(req, "chat.completion" if req.chat else "text_completion", choices), "usage": usage_}
+
+
+def _envelope(req: Request, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every response and stream chunk of ``req`` carries."""
     return {
         "id": ("chatcmpl-" if req.chat else "cmpl-") + req.id,
-        "object": "chat.completion" if req.chat else "text_completion",
+        "object": kind,
         "created": req.created,
         "model": req.model,
         "system_fingerprint": None,
         "choices": choices,
-        "usage": usage_,
     }
 
 
