@@ -8,6 +8,11 @@
 //! and FMA (detected at run time), and on every 64-bit ARM CPU (NEON is part of the
 //! architecture), the activations are quantized to int8 per block and multiplied as
 //! integers, as llama.cpp does; otherwise a portable float32 loop runs.
+//!
+//! At the AVX-512 level, on CPUs with AVX512-BW and VNNI, Q4_0, Q4_1 and Q8_0 rows take
+//! kernels that put sixteen rows in one register, a row per 32-bit lane, so that a
+//! block's integer sum builds up in its lane without a horizontal step
+//! ([`rows_q4_vnni`], [`rows_q8_0_vnni`]); the other block types keep the AVX2 kernels.
 
 use half::f16;
 
@@ -145,6 +150,12 @@ impl QMatrix {
     /// The activations as the kernels read them: computed once per input vector and
     /// shared by every row range (and every matrix) that multiplies it.
     pub fn prepare(x: &[f32]) -> QInput {
+        Self::prepare_for(x, has_vnni())
+    }
+
+    /// [`QMatrix::prepare`] with or without the per-lane forms the AVX-512 kernels read
+    /// (the tests run both kernels on one CPU).
+    fn prepare_for(x: &[f32], vnni: bool) -> QInput {
         let q8 = if simd() { Some(quantize_q8(x)) } else { None };
         // With int8 activations, the minimums' terms take the sums of the activations as
         // the integer products see them (int8 times scale), as llama.cpp's Q8_1 does: each
@@ -157,7 +168,8 @@ impl QMatrix {
         };
         let half_sums: Vec<f32> = seen.chunks(BLOCK / 2).map(|b| b.iter().sum()).collect();
         let block_sums = half_sums.chunks(2).map(|p| p.iter().sum()).collect();
-        QInput { x: x.to_vec(), half_sums, block_sums, q8 }
+        let starts = q8.as_ref().filter(|_| vnni).map(|(q, _)| starts(q));
+        QInput { x: x.to_vec(), half_sums, block_sums, q8, starts }
     }
 
     /// Bytes of values of one row (for kept blocks: of its whole blocks).
@@ -219,13 +231,23 @@ impl QMatrix {
     /// every result bit-identical to `mul_rows`'s (the same arithmetic per input); other
     /// paths run input by input.
     pub fn mul_rows_batch(&self, inputs: &[&QInput], first: usize, outs: &mut [&mut [f32]]) {
-        for (inputs, outs) in inputs.chunks(4).zip(outs.chunks_mut(4)) {
+        // the AVX-512 kernels keep eight inputs' accumulators in their 32 registers
+        let width = match self.kind {
+            QKind::Q8_0 if has_vnni() => 8,
+            QKind::Blocks(Format::Q4_0 | Format::Q4_1) if has_vnni() => 8,
+            _ => 4,
+        };
+        for (inputs, outs) in inputs.chunks(width).zip(outs.chunks_mut(width)) {
             #[cfg(target_arch = "x86_64")]
             if !matches!(self.kind, QKind::F16 | QKind::BF16) {
                 let done = match inputs.len() {
                     2 => Acts::<2>::of(inputs).map(|a| self.rows_q8(&a, first, outs)),
                     3 => Acts::<3>::of(inputs).map(|a| self.rows_q8(&a, first, outs)),
                     4 => Acts::<4>::of(inputs).map(|a| self.rows_q8(&a, first, outs)),
+                    5 => Acts::<5>::of(inputs).map(|a| self.rows_q8(&a, first, outs)),
+                    6 => Acts::<6>::of(inputs).map(|a| self.rows_q8(&a, first, outs)),
+                    7 => Acts::<7>::of(inputs).map(|a| self.rows_q8(&a, first, outs)),
+                    8 => Acts::<8>::of(inputs).map(|a| self.rows_q8(&a, first, outs)),
                     _ => None,
                 };
                 if done.is_some() {
@@ -243,6 +265,16 @@ impl QMatrix {
     fn rows_q8<const M: usize>(&self, acts: &Acts<'_, M>, first: usize, outs: &mut [&mut [f32]]) {
         let n = outs[0].len();
         assert!(first + n <= self.rows && outs.len() == M && outs.iter().all(|o| o.len() == n));
+        if acts.vnni {
+            let row_bytes = self.row_bytes();
+            // SAFETY: per-lane forms exist only when AVX512-BW and VNNI were detected
+            match self.kind {
+                QKind::Blocks(Format::Q4_0) => return unsafe { rows_q4_vnni::<{ Format::Q4_0 as u8 }, M>(&self.qs, row_bytes, first, acts, outs) },
+                QKind::Blocks(Format::Q4_1) => return unsafe { rows_q4_vnni::<{ Format::Q4_1 as u8 }, M>(&self.qs, row_bytes, first, acts, outs) },
+                QKind::Q8_0 => return unsafe { rows_q8_0_vnni::<M>(&self.scales, &self.qs, self.cols / BLOCK, first, acts, outs) },
+                _ => {}
+            }
+        }
         for i in 0..n {
             let r = first + i;
             let dots = match self.kind {
@@ -293,6 +325,17 @@ pub struct QInput {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     block_sums: Vec<f32>,
     q8: Option<(Vec<i8>, Vec<f32>)>,
+    /// where the AVX-512 integer kernels run: [`starts`] of the int8 form
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    starts: Option<Vec<i32>>,
+}
+
+/// Per block of the int8 activations, minus 128 times the sum of its 32 integers: where
+/// the AVX-512 kernels run, the Q8_0 kernel's byte products start from it (its signed
+/// weights made unsigned by adding 128) and so end exactly at the signed products' sum.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn starts(q: &[i8]) -> Vec<i32> {
+    q.chunks(BLOCK).map(|block| -128 * block.iter().map(|&v| v as i32).sum::<i32>()).collect()
 }
 
 /// Activations as int8 per 32-value block: values and one float scale per block.
@@ -362,6 +405,9 @@ struct Acts<'a, const M: usize> {
     xd: [&'a [f32]; M],
     half_sums: [&'a [f32]; M],
     block_sums: [&'a [f32]; M],
+    /// [`starts`], empty unless every input has them (then the AVX-512 kernels run)
+    starts: [&'a [i32]; M],
+    vnni: bool,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -373,7 +419,10 @@ impl<'a, const M: usize> Acts<'a, M> {
             return None;
         }
         let q8 = |m: usize| inputs[m].q8.as_ref().expect("checked above");
+        let vnni = inputs.iter().all(|i| i.starts.is_some());
         Some(Acts {
+            starts: std::array::from_fn(|m| inputs[m].starts.as_deref().filter(|_| vnni).unwrap_or(&[])),
+            vnni,
             xq: std::array::from_fn(|m| &q8(m).0[..]),
             xd: std::array::from_fn(|m| &q8(m).1[..]),
             half_sums: std::array::from_fn(|m| &inputs[m].half_sums[..]),
@@ -392,6 +441,24 @@ struct Row<'a> {
 /// [`crate::kernels::matvec::SIMD_ENV`] does not force the portable ones.
 fn has_avx2_fma() -> bool {
     crate::kernels::matvec::kernel() != crate::kernels::matvec::Kernel::Portable
+}
+
+/// Whether the AVX-512 integer kernels run: the AVX-512 level is chosen
+/// ([`crate::kernels::matvec::kernel`]) and the CPU has AVX512-BW and AVX512-VNNI (byte
+/// dot products into 32-bit lanes), detected once.
+fn has_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *V.get_or_init(|| crate::kernels::matvec::kernel() == crate::kernels::matvec::Kernel::Avx512 && vnni_detected())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn vnni_detected() -> bool {
+    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vnni")
 }
 
 /// Whether this CPU runs the int8 kernels: AVX2 + FMA + F16C on x86-64; NEON, which every
@@ -702,6 +769,129 @@ unsafe fn dot_small_q8_avx2<const F: u8, const M: usize>(row: &[u8], acts: &Acts
     std::array::from_fn(|m| (hsum(acc[m]) - hsum(offset[m])) + (hsum(tail[m]) - tail_offset[m]))
 }
 
+/// Q8_0 rows against int8 activations with AVX-512 VNNI, sixteen rows at once, one row
+/// per 32-bit lane, as [`rows_q4_vnni`]: for each block, eight gathered registers of the
+/// rows' bytes `4t..4t + 4`, made unsigned by adding 128 (one exclusive or), each input's
+/// eight byte dot products starting from minus 128 times its block's activation sum
+/// (which the additions put back), so that every lane ends at the signed products' sum
+/// exactly; then one conversion and one multiply-add with the rows' scales (gathered)
+/// times the activations' scale.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by input
+unsafe fn rows_q8_0_vnni<const M: usize>(scales: &[f32], qs: &[u8], blocks: usize, first: usize, acts: &Acts<'_, M>, outs: &mut [&mut [f32]]) {
+    use std::arch::x86_64::*;
+    let (row_bytes, rows) = (blocks * 32, outs[0].len());
+    assert!(qs.len() >= (first + rows) * row_bytes && scales.len() >= (first + rows) * blocks && row_bytes * 16 <= i32::MAX as usize);
+    assert!((0..M).all(|m| outs[m].len() == rows && acts.xq[m].len() >= blocks * BLOCK && acts.xd[m].len() >= blocks && acts.starts[m].len() >= blocks));
+    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let (offsets, scale_offsets) = (_mm512_mullo_epi32(lanes, _mm512_set1_epi32(row_bytes as i32)), _mm512_mullo_epi32(lanes, _mm512_set1_epi32(blocks as i32)));
+    let flip = _mm512_set1_epi8(-128);
+    for g in (0..rows).step_by(16) {
+        let mask: __mmask16 = if rows - g >= 16 { 0xFFFF } else { (1u16 << (rows - g)) - 1 };
+        let (base, scale_base) = (qs.as_ptr().add((first + g) * row_bytes), scales.as_ptr().add((first + g) * blocks));
+        let (next, next_scales) = (base.wrapping_add(16 * row_bytes), scale_base.wrapping_add(16 * blocks) as *const u8);
+        let mut acc = [_mm512_setzero_ps(); M];
+        for b in 0..blocks {
+            // the next group's bytes and scales, a block's share of them at each block
+            for line in (0..16 * 32).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(b * 16 * 32 + line) as *const i8);
+            }
+            _mm_prefetch::<_MM_HINT_T0>(next_scales.wrapping_add(b * 64) as *const i8);
+            let p = base.add(b * 32);
+            let q: [__m512i; 8] = std::array::from_fn(|t| _mm512_xor_si512(_mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, offsets, p.add(4 * t) as *const _), flip));
+            let d = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), mask, scale_offsets, scale_base.add(b) as *const _);
+            for m in 0..M {
+                let x = acts.xq[m].as_ptr().add(b * BLOCK) as *const i32;
+                let xs = |t: usize| _mm512_set1_epi32(std::ptr::read_unaligned(x.add(t)));
+                // two chains of four (integer sums: exact in any order)
+                let (mut even, mut odd) = (_mm512_set1_epi32(*acts.starts[m].get_unchecked(b)), _mm512_setzero_si512());
+                for t in (0..8).step_by(2) {
+                    even = _mm512_dpbusd_epi32(even, q[t], xs(t));
+                    odd = _mm512_dpbusd_epi32(odd, q[t + 1], xs(t + 1));
+                }
+                let sums = _mm512_add_epi32(even, odd);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(*acts.xd[m].get_unchecked(b))), acc[m]);
+            }
+        }
+        for m in 0..M {
+            _mm512_mask_storeu_ps(outs[m].as_mut_ptr().add(g), mask, acc[m]);
+        }
+    }
+}
+
+/// Q4_0 and Q4_1 rows against int8 activations with AVX-512 VNNI, sixteen rows at once,
+/// one row per 32-bit lane: for each block, the sixteen rows' 16 bytes of nibbles are
+/// gathered as four registers (lane `r`: row `r`'s bytes `4t..4t + 4`), whose low and high
+/// nibbles are the block's values `4t..4t + 4` and `16 + 4t..`; each input's block is then
+/// eight byte dot products against its activations' matching four bytes (broadcast),
+/// which sum the block in every lane exactly, as integers, with no horizontal step. One
+/// conversion and one multiply-add with the rows' scales times the activations' scale,
+/// one more for the minimums, per block and input for sixteen rows. A row's arithmetic
+/// is its own lane's, whatever rows share the register and however many inputs run.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by input
+unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize, first: usize, acts: &Acts<'_, M>, outs: &mut [&mut [f32]]) {
+    use std::arch::x86_64::*;
+    let f = Format::from_id(F);
+    let (bytes, values_at) = match f {
+        Format::Q4_0 => (18, 2),
+        Format::Q4_1 => (20, 4),
+        _ => unreachable!("{f:?} is not a 4-bit one-sub-block format"),
+    };
+    debug_assert_eq!(bytes, f.block_bytes());
+    let (n, rows) = (row_bytes / bytes, outs[0].len());
+    assert!(row_bytes.is_multiple_of(bytes) && qs.len() >= (first + rows) * row_bytes && row_bytes * 16 <= i32::MAX as usize);
+    assert!((0..M).all(|m| outs[m].len() == rows && acts.xq[m].len() >= n * SUB && acts.xd[m].len() >= n && acts.block_sums[m].len() >= n));
+    let offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(row_bytes as i32));
+    let low4 = _mm512_set1_epi8(0x0F);
+    for g in (0..rows).step_by(16) {
+        let mask: __mmask16 = if rows - g >= 16 { 0xFFFF } else { (1u16 << (rows - g)) - 1 };
+        let base = qs.as_ptr().add((first + g) * row_bytes);
+        let (mut acc, mut offset) = ([_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M]);
+        // the sixteen rows are one stretch of memory: the next group's, a block's share
+        // of it at each block
+        let (next, share) = (base.wrapping_add(16 * row_bytes), 16 * bytes);
+        for b in 0..n {
+            let p = base.add(b * bytes);
+            for line in (0..share).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(b * share + line) as *const i8);
+            }
+            // a macro, not a closure: closures are compiled without the function's target features
+            macro_rules! gather {
+                ($at:expr) => {
+                    _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, offsets, p.add($at) as *const _)
+                };
+            }
+            let heads = gather!(0);
+            let packed = [gather!(values_at), gather!(values_at + 4), gather!(values_at + 8), gather!(values_at + 12)];
+            let q: [__m512i; 8] = std::array::from_fn(|t| if t < 4 { _mm512_and_si512(packed[t], low4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(packed[t - 4]), low4) });
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads));
+            let min = match f {
+                Format::Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(8.0)),
+                _ => _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(heads)))),
+            };
+            for m in 0..M {
+                let x = acts.xq[m].as_ptr().add(b * SUB) as *const i32;
+                let xs = |t: usize| _mm512_set1_epi32(std::ptr::read_unaligned(x.add(t)));
+                // two chains of four (integer sums: exact in any order)
+                let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                for t in (0..8).step_by(2) {
+                    even = _mm512_dpbusd_epi32(even, q[t], xs(t));
+                    odd = _mm512_dpbusd_epi32(odd, q[t + 1], xs(t + 1));
+                }
+                let sums = _mm512_add_epi32(even, odd);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(*acts.xd[m].get_unchecked(b))), acc[m]);
+                offset[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(*acts.block_sums[m].get_unchecked(b)), offset[m]);
+            }
+        }
+        for m in 0..M {
+            _mm512_mask_storeu_ps(outs[m].as_mut_ptr().add(g), mask, _mm512_sub_ps(acc[m], offset[m]));
+        }
+    }
+}
+
 /// Kept blocks against float32 activations (CPUs without AVX2), the same sums in float.
 #[inline(always)]
 fn dot_blocks_float(f: Format, row: &[u8], x: &[f32], half_sums: &[f32]) -> f32 {
@@ -761,13 +951,31 @@ mod tests {
         QMatrix::new(QKind::Q8_0, rows, cols, data).unwrap()
     }
 
+    /// The integer kernels' levels this CPU runs: AVX2 (false) and, with AVX512-BW and
+    /// VNNI, the AVX-512 kernels (true), whatever level the process chose.
+    fn levels() -> Vec<bool> {
+        #[cfg(target_arch = "x86_64")]
+        if vnni_detected() {
+            return vec![false, true];
+        }
+        vec![false]
+    }
+
     #[test]
     fn q8_0_matvec_equals_dequantized_product() {
+        // 3 blocks a row: a two-block step and an odd last block for the AVX-512 kernel
         let (rows, cols) = (200, 96);
         let m = random_q8_0(rows, cols, 7);
         let x: Vec<f32> = (0..cols).map(|i| ((i * 37 % 17) as f32 - 8.0) / 4.0).collect();
+        for vnni in levels() {
+            q8_0_product_checked(&m, &x, vnni);
+        }
+    }
+
+    fn q8_0_product_checked(m: &QMatrix, x: &[f32], vnni: bool) {
+        let (rows, cols) = (m.rows(), m.cols());
         let mut got = vec![0f32; rows];
-        m.mul_rows(&QMatrix::prepare(&x), 0, &mut got[..]);
+        m.mul_rows(&QMatrix::prepare_for(x, vnni), 0, &mut got[..]);
         let w = m.dequantize();
         // int8 activations (AVX2 / NEON path) cost about 1/254 of each block's largest value
         let tol = if simd() { 1e-2 } else { 1e-4 };
@@ -775,18 +983,18 @@ mod tests {
         for r in 0..rows {
             let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum();
             let scale: f64 = (0..cols).map(|c| (w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
-            assert!((got[r] as f64 - want).abs() <= tol * (1e-3 + scale), "row {r}: {} vs {want}", got[r]);
+            assert!((got[r] as f64 - want).abs() <= tol * (1e-3 + scale), "row {r} (AVX-512: {vnni}): {} vs {want}", got[r]);
             // the portable path, whatever the CPU
             let row = Row { scales: &m.scales[r * blocks..(r + 1) * blocks], qs: &m.qs[r * blocks * 32..(r + 1) * blocks * 32] };
-            let portable = dot_q8_0(row, &x) as f64;
+            let portable = dot_q8_0(row, x) as f64;
             assert!((portable - want).abs() <= 1e-4 * (1.0 + scale), "row {r}, portable: {portable} vs {want}");
         }
     }
 
     /// `m · x` on the CPU's path, after checking that every split of the rows into two
     /// ranges gives the same numbers.
-    fn product_checked_by_ranges(m: &QMatrix, x: &[f32]) -> Vec<f32> {
-        let input = QMatrix::prepare(x);
+    fn product_checked_by_ranges(m: &QMatrix, x: &[f32], vnni: bool) -> Vec<f32> {
+        let input = QMatrix::prepare_for(x, vnni);
         let mut whole = vec![0f32; m.rows()];
         m.mul_rows(&input, 0, &mut whole);
         for split in 1..m.rows() {
@@ -814,13 +1022,19 @@ mod tests {
             let w = t.dequantize(&candle_core::Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(m.dequantize(), w, "{f:?}: dequantized rows");
             let x: Vec<f32> = (0..cols).map(|i| ((i * 37 % 17) as f32 - 8.0) / 4.0).collect();
-            let got = product_checked_by_ranges(&m, &x);
-            // int8 activations (AVX2 / NEON path) cost about 1/254 of each block's largest value
-            let tol = if simd() { 1e-2 } else { 1e-5 };
+            for vnni in levels() {
+                let got = product_checked_by_ranges(&m, &x, vnni);
+                // int8 activations (AVX2 / NEON path) cost about 1/254 of each block's largest value
+                let tol = if simd() { 1e-2 } else { 1e-5 };
+                for r in 0..rows {
+                    let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum();
+                    let scale: f64 = (0..cols).map(|c| (w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
+                    assert!((got[r] as f64 - want).abs() <= tol * (1e-3 + scale), "{f:?} row {r} (AVX-512: {vnni}): {} vs {want}", got[r]);
+                }
+            }
             for r in 0..rows {
                 let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum();
                 let scale: f64 = (0..cols).map(|c| (w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
-                assert!((got[r] as f64 - want).abs() <= tol * (1e-3 + scale), "{f:?} row {r}: {} vs {want}", got[r]);
                 let row = &m.qs[r * m.row_bytes()..(r + 1) * m.row_bytes()];
                 let exact_sums: Vec<f32> = x.chunks(BLOCK / 2).map(|b| b.iter().sum()).collect();
                 let float = dot_blocks_float(f, row, &x, &exact_sums) as f64;
@@ -830,33 +1044,37 @@ mod tests {
     }
 
     /// Several inputs at once give, bit for bit, what each gives alone: every kept block
-    /// format, Q8_0 and 16-bit rows, one to nine inputs (groups of four and the rest).
+    /// format, Q8_0 and 16-bit rows, one to nine inputs (groups of four or eight and the
+    /// rest), rows from 1 (groups of sixteen rows not aligned), on each integer kernel
+    /// this CPU runs.
     #[test]
     fn batched_rows_equal_single_rows_bit_for_bit() {
         use crate::kernels::blocks::tests::{random_blocks, ALL};
         let mut matrices: Vec<QMatrix> = ALL
             .iter()
             .map(|&f| {
-                let (rows, cols) = (9, if f.block_values() == SUB { 544 } else { 512 });
+                let (rows, cols) = (40, if f.block_values() == SUB { 544 } else { 512 });
                 QMatrix::new(QKind::Blocks(f), rows, cols, random_blocks(f, rows * cols / f.block_values(), 5)).unwrap()
             })
             .collect();
-        matrices.push(random_q8_0(9, 96, 3));
-        matrices.push(QMatrix::new(QKind::F16, 9, 40, (0..9 * 40).flat_map(|i| f16::from_f32(i as f32 / 97.0 - 1.5).to_bits().to_le_bytes()).collect()).unwrap());
+        matrices.push(random_q8_0(40, 96, 3));
+        matrices.push(QMatrix::new(QKind::F16, 40, 40, (0..40 * 40).flat_map(|i| f16::from_f32(i as f32 / 97.0 - 1.5).to_bits().to_le_bytes()).collect()).unwrap());
         for m in &matrices {
             let xs: Vec<Vec<f32>> = (0..9).map(|k| (0..m.cols()).map(|i| (((i + 5 * k) * 37 % 23) as f32 - 11.0) / 3.0).collect()).collect();
-            let inputs: Vec<QInput> = xs.iter().map(|x| QMatrix::prepare(x)).collect();
-            let alone: Vec<Vec<f32>> = inputs.iter().map(|i| {
-                let mut out = vec![0f32; 8];
-                m.mul_rows(i, 1, &mut out);
-                out
-            }).collect();
-            for n in 1..=inputs.len() {
-                let refs: Vec<&QInput> = inputs[..n].iter().collect();
-                let mut outs = vec![vec![0f32; 8]; n];
-                let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
-                m.mul_rows_batch(&refs, 1, &mut views);
-                assert_eq!(outs[..], alone[..n], "{:?}, {n} inputs", m.kind);
+            for vnni in levels() {
+                let inputs: Vec<QInput> = xs.iter().map(|x| QMatrix::prepare_for(x, vnni)).collect();
+                let alone: Vec<Vec<f32>> = inputs.iter().map(|i| {
+                    let mut out = vec![0f32; 38];
+                    m.mul_rows(i, 1, &mut out);
+                    out
+                }).collect();
+                for n in 1..=inputs.len() {
+                    let refs: Vec<&QInput> = inputs[..n].iter().collect();
+                    let mut outs = vec![vec![0f32; 38]; n];
+                    let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+                    m.mul_rows_batch(&refs, 1, &mut views);
+                    assert_eq!(outs[..], alone[..n], "{:?}, {n} inputs (AVX-512: {vnni})", m.kind);
+                }
             }
         }
     }
@@ -882,7 +1100,7 @@ mod tests {
             let m = QMatrix::new(kind, rows, cols, data.clone()).unwrap();
             assert_eq!(m.dequantize(), want_w, "{kind:?}");
             assert_eq!(m.nbytes(), rows * cols * 2);
-            let got = product_checked_by_ranges(&m, &x);
+            let got = product_checked_by_ranges(&m, &x, false);
             for r in 0..rows {
                 let want: f64 = (0..cols).map(|c| want_w[r * cols + c] as f64 * x[c] as f64).sum();
                 let scale: f64 = (0..cols).map(|c| (want_w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
