@@ -364,8 +364,9 @@ def main() -> None:
         print(f"\n{ours}:")
         d5 = table[ours][4]
         print("  decode vs its own 5-token context: " + ", ".join(f"@{n} {table[ours][4 + i] / d5:.2f}" for i, n in enumerate(contexts)))
-        if ours.startswith("kvcandle f32"):
-            print(f"  decode @5 is {d5 * f32_bytes / (rate * 1e9):.0%} of the memory-read ceiling")
+        engine = next(e for e in engines if e.name == ours)
+        step_bytes = engine.model.weight_bytes if isinstance(engine, Kvcandle) else f32_bytes
+        print(f"  decode @5 is {d5 * step_bytes / (rate * 1e9):.0%} of its memory-read ceiling ({step_bytes / 1e6:.0f} MB of weights per token)")
         for other in names:
             if other.startswith("kvcandle"):
                 continue

@@ -275,6 +275,12 @@ impl QMatrix {
                 _ => {}
             }
         }
+        // SAFETY: int8 forms exist on x86-64 only when AVX2, FMA and F16C were detected
+        match self.kind {
+            QKind::Blocks(Format::Q4_0) => return unsafe { rows_q4_avx2::<{ Format::Q4_0 as u8 }, M>(&self.qs, self.row_bytes(), first, acts, outs) },
+            QKind::Blocks(Format::Q4_1) => return unsafe { rows_q4_avx2::<{ Format::Q4_1 as u8 }, M>(&self.qs, self.row_bytes(), first, acts, outs) },
+            _ => {}
+        }
         for i in 0..n {
             let r = first + i;
             let dots = match self.kind {
@@ -888,6 +894,87 @@ unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize,
         }
         for m in 0..M {
             _mm512_mask_storeu_ps(outs[m].as_mut_ptr().add(g), mask, _mm512_sub_ps(acc[m], offset[m]));
+        }
+    }
+}
+
+/// [`rows_q4_vnni`] for AVX2 (no VNNI, no gathers): eight rows at once, one row per
+/// 32-bit lane. For each block the eight rows' 16 bytes of nibbles are loaded and
+/// transposed (two rows per register, then two rounds of interleaving) into four
+/// registers whose lane `r` holds row `r`'s bytes `4t..4t + 4`. Each input's block is
+/// eight unsigned-by-signed byte products (`maddubs`) against its activations' matching
+/// four bytes (broadcast), added as 16-bit sums (at most 8 · 2 · 15 · 127 = 30,480:
+/// no overflow) and widened once, so every lane holds its row's block sum exactly. Then
+/// per block and input one conversion and two multiply-adds (the rows' scales times the
+/// activations' scale, and the minimums' term) for eight rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by input
+unsafe fn rows_q4_avx2<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize, first: usize, acts: &Acts<'_, M>, outs: &mut [&mut [f32]]) {
+    use std::arch::x86_64::*;
+    let f = Format::from_id(F);
+    let (bytes, values_at) = match f {
+        Format::Q4_0 => (18, 2),
+        Format::Q4_1 => (20, 4),
+        _ => unreachable!("{f:?} is not a 4-bit one-sub-block format"),
+    };
+    debug_assert_eq!(bytes, f.block_bytes());
+    let (n, rows) = (row_bytes / bytes, outs[0].len());
+    assert!(row_bytes.is_multiple_of(bytes) && qs.len() >= (first + rows) * row_bytes);
+    assert!((0..M).all(|m| outs[m].len() == rows && acts.xq[m].len() >= n * SUB && acts.xd[m].len() >= n && acts.block_sums[m].len() >= n));
+    let (low4, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    for g in (0..rows).step_by(8) {
+        let count = (rows - g).min(8);
+        let base = qs.as_ptr().add((first + g) * row_bytes);
+        // a last group of fewer than eight rows reads its last row again in the spare lanes
+        let row_at: [*const u8; 8] = std::array::from_fn(|r| base.add(r.min(count - 1) * row_bytes));
+        let (next, share) = (base.wrapping_add(8 * row_bytes), 8 * bytes);
+        let mut acc = [_mm256_setzero_ps(); M];
+        for b in 0..n {
+            // the eight rows are one stretch of memory: the next group's, a block's share
+            // of it at each block
+            for line in (0..share).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(b * share + line) as *const i8);
+            }
+            let at = |r: usize| row_at[r].add(b * bytes);
+            let load = |r: usize| _mm_loadu_si128(at(r).add(values_at) as *const __m128i);
+            // rows r and r + 4 in one register
+            let z: [__m256i; 4] = std::array::from_fn(|r| _mm256_set_m128i(load(r + 4), load(r)));
+            let (t0, t1) = (_mm256_unpacklo_epi32(z[0], z[1]), _mm256_unpackhi_epi32(z[0], z[1]));
+            let (t2, t3) = (_mm256_unpacklo_epi32(z[2], z[3]), _mm256_unpackhi_epi32(z[2], z[3]));
+            // packed[t], lane r: row r's bytes 4t..4t + 4
+            let packed = [_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)];
+            let (mut dh, mut sh) = ([0u16; 8], [0u16; 8]);
+            for r in 0..8 {
+                dh[r] = std::ptr::read_unaligned(at(r) as *const u16);
+                sh[r] = std::ptr::read_unaligned(at(r).add(2) as *const u16);
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(dh.as_ptr() as *const __m128i));
+            // what each row adds per unit of the activations' block sum: its minimum
+            // (Q4_1), or minus 8 times its scale (Q4_0's offset of 8)
+            let add = match f {
+                Format::Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+                _ => _mm256_cvtph_ps(_mm_loadu_si128(sh.as_ptr() as *const __m128i)),
+            };
+            let mut sums = [_mm256_setzero_si256(); M];
+            for t in 0..4 {
+                let (low, high) = (_mm256_and_si256(packed[t], low4), _mm256_and_si256(_mm256_srli_epi16::<4>(packed[t]), low4));
+                for m in 0..M {
+                    let x = acts.xq[m].as_ptr().add(b * SUB) as *const i32;
+                    let (xl, xh) = (_mm256_set1_epi32(std::ptr::read_unaligned(x.add(t))), _mm256_set1_epi32(std::ptr::read_unaligned(x.add(4 + t))));
+                    sums[m] = _mm256_add_epi16(sums[m], _mm256_add_epi16(_mm256_maddubs_epi16(low, xl), _mm256_maddubs_epi16(high, xh)));
+                }
+            }
+            for m in 0..M {
+                let block = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], ones));
+                acc[m] = _mm256_fmadd_ps(block, _mm256_mul_ps(d, _mm256_set1_ps(*acts.xd[m].get_unchecked(b))), acc[m]);
+                acc[m] = _mm256_fmadd_ps(add, _mm256_set1_ps(*acts.block_sums[m].get_unchecked(b)), acc[m]);
+            }
+        }
+        for m in 0..M {
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[m]);
+            outs[m][g..g + count].copy_from_slice(&lanes[..count]);
         }
     }
 }
