@@ -185,7 +185,7 @@ impl QMatrix {
     pub fn mul_rows(&self, input: &QInput, first: usize, out: &mut [f32]) {
         assert_eq!(input.x.len(), self.cols);
         assert!(first + out.len() <= self.rows);
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         if let Some(acts) = Acts::<1>::of(&[input]) {
             if !matches!(self.kind, QKind::F16 | QKind::BF16) {
                 return self.rows_q8(&acts, first, &mut [out]);
@@ -207,15 +207,7 @@ impl QMatrix {
             return;
         }
         for (i, o) in out.iter_mut().enumerate() {
-            let row = self.q8_0_row(first + i);
-            *o = match &input.q8 {
-                #[cfg(target_arch = "aarch64")]
-                Some((xq, xd)) => unsafe {
-                    // SAFETY: NEON is part of aarch64; the kernels check the slices' lengths
-                    dot_q8_0_neon(row, xq, xd)
-                },
-                _ => dot_q8_0(row, &input.x),
-            };
+            *o = dot_q8_0(self.q8_0_row(first + i), &input.x);
         }
     }
 
@@ -227,9 +219,9 @@ impl QMatrix {
     }
 
     /// [`QMatrix::mul_rows`] for several inputs (`outs[m]` for `inputs[m]`): with the
-    /// x86-64 integer kernels, each row is read and unpacked once for up to four inputs,
-    /// every result bit-identical to `mul_rows`'s (the same arithmetic per input); other
-    /// paths run input by input.
+    /// integer kernels (x86-64, aarch64), each row is read and unpacked once for up to
+    /// four inputs (eight with the AVX-512 ones), every result bit-identical to
+    /// `mul_rows`'s (the same arithmetic per input); the float paths run input by input.
     pub fn mul_rows_batch(&self, inputs: &[&QInput], first: usize, outs: &mut [&mut [f32]]) {
         // the AVX-512 kernels keep eight inputs' accumulators in their 32 registers
         let width = match self.kind {
@@ -238,7 +230,7 @@ impl QMatrix {
             _ => 4,
         };
         for (inputs, outs) in inputs.chunks(width).zip(outs.chunks_mut(width)) {
-            #[cfg(target_arch = "x86_64")]
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
             if !matches!(self.kind, QKind::F16 | QKind::BF16) {
                 let done = match inputs.len() {
                     2 => Acts::<2>::of(inputs).map(|a| self.rows_q8(&a, first, outs)),
@@ -260,7 +252,31 @@ impl QMatrix {
         }
     }
 
-    /// `outs[m][i] = W[first + i] · x[m]` for `M` inputs' int8 forms (x86-64 with AVX2).
+    /// `outs[m][i] = W[first + i] · x[m]` for `M` inputs' int8 forms (x86-64 with AVX2,
+    /// aarch64 with NEON).
+    #[cfg(target_arch = "aarch64")]
+    fn rows_q8<const M: usize>(&self, acts: &Acts<'_, M>, first: usize, outs: &mut [&mut [f32]]) {
+        let n = outs[0].len();
+        assert!(first + n <= self.rows && outs.len() == M && outs.iter().all(|o| o.len() == n));
+        for i in 0..n {
+            let r = first + i;
+            let dots = match self.kind {
+                QKind::Blocks(f) => {
+                    let bytes = self.row_bytes();
+                    dot_blocks_q8(f, &self.qs[r * bytes..(r + 1) * bytes], acts)
+                }
+                // SAFETY: NEON is part of aarch64; the kernel checks the slices' lengths
+                QKind::Q8_0 => unsafe { dot_q8_0_neon(self.q8_0_row(r), acts) },
+                QKind::F16 | QKind::BF16 => unreachable!("16-bit rows multiply float32 inputs"),
+            };
+            for (out, dot) in outs.iter_mut().zip(dots) {
+                out[i] = dot;
+            }
+        }
+    }
+
+    /// `outs[m][i] = W[first + i] · x[m]` for `M` inputs' int8 forms (x86-64 with AVX2,
+    /// aarch64 with NEON).
     #[cfg(target_arch = "x86_64")]
     fn rows_q8<const M: usize>(&self, acts: &Acts<'_, M>, first: usize, outs: &mut [&mut [f32]]) {
         let n = outs[0].len();
@@ -405,7 +421,8 @@ unsafe fn dot_q8_0_avx2<const M: usize>(row: Row<'_>, acts: &Acts<'_, M>) -> [f3
 
 /// `M` prepared inputs' int8 forms side by side, for the kernels that read a row once for
 /// all of them.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[cfg_attr(target_arch = "aarch64", allow(dead_code))] // the block sums and starts serve x86-64's kernels
 struct Acts<'a, const M: usize> {
     xq: [&'a [i8]; M],
     xd: [&'a [f32]; M],
@@ -416,7 +433,7 @@ struct Acts<'a, const M: usize> {
     vnni: bool,
 }
 
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 impl<'a, const M: usize> Acts<'a, M> {
     /// None when an input has no int8 form (the integer kernels do not run).
     fn of(inputs: &[&'a QInput]) -> Option<Self> {
@@ -487,18 +504,21 @@ unsafe fn dot16_neon(q: std::arch::aarch64::int8x16_t, x: std::arch::aarch64::in
 #[cfg(target_arch = "aarch64")]
 #[target_feature(enable = "neon")]
 #[allow(clippy::needless_range_loop)] // `b` addresses the weight bytes, the activations and both scales at different strides
-unsafe fn dot_q8_0_neon(row: Row<'_>, xq: &[i8], xd: &[f32]) -> f32 {
+unsafe fn dot_q8_0_neon<const M: usize>(row: Row<'_>, acts: &Acts<'_, M>) -> [f32; M] {
     use std::arch::aarch64::*;
     let blocks = row.qs.len() / 32;
-    assert!(xq.len() >= blocks * BLOCK && xd.len() >= blocks && row.scales.len() >= blocks);
-    let mut acc = vdupq_n_f32(0.0);
+    assert!(row.scales.len() >= blocks && (0..M).all(|m| acts.xq[m].len() >= blocks * BLOCK && acts.xd[m].len() >= blocks));
+    let mut acc = [vdupq_n_f32(0.0); M];
     for b in 0..blocks {
         let q = row.qs.as_ptr().add(b * 32) as *const i8;
-        let x = xq.as_ptr().add(b * BLOCK);
-        let sums = vaddq_s32(dot16_neon(vld1q_s8(q), vld1q_s8(x)), dot16_neon(vld1q_s8(q.add(16)), vld1q_s8(x.add(16))));
-        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(sums), row.scales[b] * xd[b]);
+        let (q0, q1) = (vld1q_s8(q), vld1q_s8(q.add(16)));
+        for m in 0..M {
+            let x = acts.xq[m].as_ptr().add(b * BLOCK);
+            let sums = vaddq_s32(dot16_neon(q0, vld1q_s8(x)), dot16_neon(q1, vld1q_s8(x.add(16))));
+            acc[m] = vfmaq_n_f32(acc[m], vcvtq_f32_s32(sums), row.scales[b] * acts.xd[m][b]);
+        }
     }
-    vaddvq_f32(acc)
+    acc.map(|a| vaddvq_f32(a))
 }
 
 /// [`dot_blocks_q8_avx2`] with NEON: each sub-block's integers (0..64, unpacked by
@@ -506,28 +526,33 @@ unsafe fn dot_q8_0_neon(row: Row<'_>, xq: &[i8], xd: &[f32]) -> f32 {
 /// register.
 #[cfg(target_arch = "aarch64")]
 #[target_feature(enable = "neon")]
-unsafe fn dot_blocks_q8_neon<const F: u8>(row: &[u8], xq: &[i8], xd: &[f32], half_sums: &[f32]) -> f32 {
+#[allow(clippy::needless_range_loop)] // register arrays indexed by input
+unsafe fn dot_blocks_q8_neon<const F: u8, const M: usize>(row: &[u8], acts: &Acts<'_, M>) -> [f32; M] {
     use std::arch::aarch64::*;
     let f = Format::from_id(F);
     let subs = f.block_values() / SUB;
-    assert!(xq.len() >= row.len() / f.block_bytes() * f.block_values());
-    let mut acc = vdupq_n_f32(0.0);
-    let mut offset = 0f32;
+    let n = row.len() / f.block_bytes();
+    assert!((0..M).all(|m| acts.xq[m].len() >= n * f.block_values() && acts.xd[m].len() >= n * subs && acts.half_sums[m].len() >= 2 * n * subs));
+    let mut acc = [vdupq_n_f32(0.0); M];
+    let mut offset = [0f32; M];
     for (b, block) in row.chunks_exact(f.block_bytes()).enumerate() {
         let scales = f.scales(block);
         for s in 0..subs {
             let k = b * subs + s;
             let [q_lo, q_hi] = crate::kernels::blocks::values_neon(f, block, s);
+            let (q_lo, q_hi) = (vreinterpretq_s8_u8(q_lo), vreinterpretq_s8_u8(q_hi));
             let (scale, min) = (scales.scale[s], scales.min[s]);
-            let x = xq.as_ptr().add(k * SUB);
-            let lo = vcvtq_f32_s32(dot16_neon(vreinterpretq_s8_u8(q_lo), vld1q_s8(x)));
-            let hi = vcvtq_f32_s32(dot16_neon(vreinterpretq_s8_u8(q_hi), vld1q_s8(x.add(16))));
-            let d = xd[k];
-            acc = vfmaq_n_f32(vfmaq_n_f32(acc, lo, scale[0] * d), hi, scale[1] * d);
-            offset += min[0] * half_sums[2 * k] + min[1] * half_sums[2 * k + 1];
+            for m in 0..M {
+                let x = acts.xq[m].as_ptr().add(k * SUB);
+                let lo = vcvtq_f32_s32(dot16_neon(q_lo, vld1q_s8(x)));
+                let hi = vcvtq_f32_s32(dot16_neon(q_hi, vld1q_s8(x.add(16))));
+                let d = acts.xd[m][k];
+                acc[m] = vfmaq_n_f32(vfmaq_n_f32(acc[m], lo, scale[0] * d), hi, scale[1] * d);
+                offset[m] += min[0] * acts.half_sums[m][2 * k] + min[1] * acts.half_sums[m][2 * k + 1];
+            }
         }
     }
-    vaddvq_f32(acc) - offset
+    std::array::from_fn(|m| vaddvq_f32(acc[m]) - offset[m])
 }
 
 /// A 16-bit float (bfloat16 with `BF16`, else IEEE half) as float32, exactly.
@@ -600,19 +625,29 @@ fn dot_half_body<const BF16: bool>(row: &[u8], x: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
-/// One row of kept blocks against the prepared input, where the x86-64 integer kernels
-/// do not run ([`dot_blocks_q8`] does where they do): NEON on aarch64, else float32.
+/// One row of kept blocks against float32 activations, where the integer kernels do not
+/// run ([`dot_blocks_q8`] does where they do).
 fn dot_blocks(f: Format, row: &[u8], input: &QInput) -> f32 {
     // each arm's kernel specialized to its format (the unpacking inlined with it constant)
     macro_rules! each {
         ($($v:ident),*) => {
             match f {
-                $(Format::$v => match &input.q8 {
-                    // SAFETY: NEON is part of aarch64; the kernel checks the slices' lengths
-                    #[cfg(target_arch = "aarch64")]
-                    Some((xq, xd)) => unsafe { dot_blocks_q8_neon::<{ Format::$v as u8 }>(row, xq, xd, &input.half_sums) },
-                    _ => dot_blocks_float(Format::$v, row, &input.x, &input.half_sums),
-                },)*
+                $(Format::$v => dot_blocks_float(Format::$v, row, &input.x, &input.half_sums),)*
+            }
+        };
+    }
+    each!(Q4_0, Q4_1, Q5_0, Q5_1, Q2K, Q3K, Q4K, Q5K, Q6K)
+}
+
+/// One row of kept blocks against `M` inputs' int8 forms, the NEON kernel specialized to
+/// the format (the unpacking inlined with it constant).
+#[cfg(target_arch = "aarch64")]
+fn dot_blocks_q8<const M: usize>(f: Format, row: &[u8], acts: &Acts<'_, M>) -> [f32; M] {
+    macro_rules! each {
+        ($($v:ident),*) => {
+            match f {
+                // SAFETY: NEON is part of aarch64; the kernel checks the slices' lengths
+                $(Format::$v => unsafe { dot_blocks_q8_neon::<{ Format::$v as u8 }, M>(row, acts) },)*
             }
         };
     }
