@@ -5,9 +5,11 @@ default model, on this machine, in one run.
 
 Engines (each skipped, with the reason printed, when its package is missing):
   kvcandle f32            the GGUF dequantized to float32, kvcandle's own engine
-  kvcandle Q4_1           kvcandle.load(quantized=True): the file's blocks, int8 activations
+  kvcandle Q4_1           kvcandle.load(quantized=True): the file's blocks, int8 activations,
+                          with a float32 cache (new_cache(dtype="float32"))
   ..., f16 cache          the same with model.new_cache(dtype="float16"): keys and values
-                          stored as float16 (llama.cpp's default), half the bytes per step
+                          stored as float16 (llama.cpp's default, and quantized=True's
+                          default cache), half the bytes per step
   candle upstream         candle-transformers' Llama + Cache as shipped (float32)
   transformers            eager float32 (torch), a plain loop over past_key_values
   llama.cpp f32 / Q4_1    llama-cpp-python; the f32 GGUF is written by this script from the
@@ -281,7 +283,7 @@ def main() -> None:
     src = kvcandle.default_model_path()
     makers: list[tuple[str, Callable[[], Engine]]] = [
         ("kvcandle f32", lambda: Kvcandle(False)),
-        ("kvcandle Q4_1", lambda: Kvcandle(True)),
+        ("kvcandle Q4_1", lambda: Kvcandle(True, "float32")),
         ("kvcandle f32, f16 cache", lambda: Kvcandle(False, "float16")),
         ("kvcandle Q4_1, f16 cache", lambda: Kvcandle(True, "float16")),
         ("candle upstream", Upstream),

@@ -210,6 +210,12 @@ impl Model {
         dtype_name(self.inner.dtype())
     }
 
+    /// The dtype `new_cache()` stores keys and values in.
+    #[getter]
+    fn default_cache_dtype(&self) -> &'static str {
+        dtype_name(self.inner.default_cache_dtype())
+    }
+
     #[getter]
     fn device(&self) -> &str {
         &self.device_name

@@ -116,6 +116,16 @@ impl Linear {
         }
     }
 
+    /// Whether products with this layer quantize their inputs to int8 (some of its
+    /// matrices are GGUF blocks; 16-bit floats multiply float32 inputs).
+    pub fn int8_activations(&self) -> bool {
+        match self {
+            Linear::Float(_) => false,
+            Linear::Quantized(q) => !matches!(q.kind(), QKind::F16 | QKind::BF16),
+            Linear::Stack(parts) => parts.iter().any(Linear::int8_activations),
+        }
+    }
+
     fn needs_q8(&self) -> bool {
         match self {
             Linear::Float(_) => false,

@@ -96,16 +96,27 @@ class Model:
         ``lm_head`` itself, counted once."""
         return self._inner.weight_bytes
 
+    @property
+    def default_cache_dtype(self) -> str:
+        """What :meth:`new_cache` stores keys and values as by default: the model's dtype
+        (a float32 model keeps its parity with float64), or ``"float16"`` for a model
+        loaded with ``quantized=True`` whose matrices are GGUF blocks: their int8
+        activations already move its logits about as much as the rounding to float16
+        does (measured in the README), for half the cache's bytes per decode step."""
+        return self._inner.default_cache_dtype
+
     def new_cache(self, dtype: Optional[str] = None) -> KVCache:
         """An empty cache for this model (storage is allocated on first use).
 
         Args:
-            dtype: how keys and values are stored; ``None`` is the model's dtype. A
-                float32 model on the CPU also takes ``"float16"``: half the memory and
-                half the bytes a decode step reads from the cache (what llama.cpp stores
-                by default), attention still computed in float32 from the rounded keys
-                and values (about 3 significant digits each; see the README for what
-                that moves).
+            dtype: how keys and values are stored; ``None`` is
+                :attr:`default_cache_dtype`: the model's dtype, except ``"float16"``
+                with ``quantized=True`` on GGUF blocks. A float32 model on the CPU also takes
+                ``"float16"``: half the memory and half the bytes a decode step reads
+                from the cache (what llama.cpp stores by default), attention still
+                computed in float32 from the rounded keys and values (about 3
+                significant digits each; see the README for what that moves); a
+                quantized model takes ``"float32"`` for a cache as the float32 model's.
 
         Raises:
             DTypeError: the dtype is unknown or does not fit this model.

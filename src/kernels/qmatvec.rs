@@ -102,6 +102,10 @@ impl QMatrix {
         Ok(Self { kind, rows, cols, scales, qs })
     }
 
+    pub fn kind(&self) -> QKind {
+        self.kind
+    }
+
     pub fn rows(&self) -> usize {
         self.rows
     }
