@@ -257,11 +257,15 @@ impl QMatrix {
     }
 
     /// `outs[m][i] = W[first + i] · x[m]` for `M` inputs' int8 forms (x86-64 with AVX2,
-    /// aarch64 with NEON).
-    #[cfg(target_arch = "aarch64")]
+    /// aarch64 with NEON): the rows-in-lanes kernels where they exist, else row by row.
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     fn rows_q8<const M: usize>(&self, acts: &Acts<'_, M>, first: usize, outs: &mut [&mut [f32]]) {
         let n = outs[0].len();
         assert!(first + n <= self.rows && outs.len() == M && outs.iter().all(|o| o.len() == n));
+        #[cfg(target_arch = "x86_64")]
+        if self.rows_in_lanes(acts, first, outs) {
+            return;
+        }
         for i in 0..n {
             let r = first + i;
             let dots = match self.kind {
@@ -269,8 +273,7 @@ impl QMatrix {
                     let bytes = self.row_bytes();
                     dot_blocks_q8(f, &self.qs[r * bytes..(r + 1) * bytes], acts)
                 }
-                // SAFETY: NEON is part of aarch64; the kernel checks the slices' lengths
-                QKind::Q8_0 => unsafe { dot_q8_0_neon(self.q8_0_row(r), acts) },
+                QKind::Q8_0 => dot_q8_0_int8(self.q8_0_row(r), acts),
                 QKind::F16 | QKind::BF16 => unreachable!("16-bit rows multiply float32 inputs"),
             };
             for (out, dot) in outs.iter_mut().zip(dots) {
@@ -279,43 +282,28 @@ impl QMatrix {
         }
     }
 
-    /// `outs[m][i] = W[first + i] · x[m]` for `M` inputs' int8 forms (x86-64 with AVX2,
-    /// aarch64 with NEON).
+    /// [`QMatrix::rows_q8`] for the formats with rows-in-lanes kernels (Q4_0, Q4_1; Q8_0
+    /// with VNNI); false for the others.
     #[cfg(target_arch = "x86_64")]
-    fn rows_q8<const M: usize>(&self, acts: &Acts<'_, M>, first: usize, outs: &mut [&mut [f32]]) {
-        let n = outs[0].len();
-        assert!(first + n <= self.rows && outs.len() == M && outs.iter().all(|o| o.len() == n));
+    fn rows_in_lanes<const M: usize>(&self, acts: &Acts<'_, M>, first: usize, outs: &mut [&mut [f32]]) -> bool {
         if acts.vnni {
             let row_bytes = self.row_bytes();
             // SAFETY: per-lane forms exist only when AVX512-BW and VNNI were detected
             match self.kind {
-                QKind::Blocks(Format::Q4_0) => return unsafe { rows_q4_vnni::<{ Format::Q4_0 as u8 }, M>(&self.qs, row_bytes, first, acts, outs) },
-                QKind::Blocks(Format::Q4_1) => return unsafe { rows_q4_vnni::<{ Format::Q4_1 as u8 }, M>(&self.qs, row_bytes, first, acts, outs) },
-                QKind::Q8_0 => return unsafe { rows_q8_0_vnni::<M>(&self.scales, &self.qs, self.cols / BLOCK, first, acts, outs) },
-                _ => {}
+                QKind::Blocks(Format::Q4_0) => unsafe { rows_q4_vnni::<{ Format::Q4_0 as u8 }, M>(&self.qs, row_bytes, first, acts, outs) },
+                QKind::Blocks(Format::Q4_1) => unsafe { rows_q4_vnni::<{ Format::Q4_1 as u8 }, M>(&self.qs, row_bytes, first, acts, outs) },
+                QKind::Q8_0 => unsafe { rows_q8_0_vnni::<M>(&self.scales, &self.qs, self.cols / BLOCK, first, acts, outs) },
+                _ => return false,
             }
+            return true;
         }
         // SAFETY: int8 forms exist on x86-64 only when AVX2, FMA and F16C were detected
         match self.kind {
-            QKind::Blocks(Format::Q4_0) => return unsafe { rows_q4_avx2::<{ Format::Q4_0 as u8 }, M>(&self.qs, self.row_bytes(), first, acts, outs) },
-            QKind::Blocks(Format::Q4_1) => return unsafe { rows_q4_avx2::<{ Format::Q4_1 as u8 }, M>(&self.qs, self.row_bytes(), first, acts, outs) },
-            _ => {}
+            QKind::Blocks(Format::Q4_0) => unsafe { rows_q4_avx2::<{ Format::Q4_0 as u8 }, M>(&self.qs, self.row_bytes(), first, acts, outs) },
+            QKind::Blocks(Format::Q4_1) => unsafe { rows_q4_avx2::<{ Format::Q4_1 as u8 }, M>(&self.qs, self.row_bytes(), first, acts, outs) },
+            _ => return false,
         }
-        for i in 0..n {
-            let r = first + i;
-            let dots = match self.kind {
-                QKind::Blocks(f) => {
-                    let bytes = self.row_bytes();
-                    dot_blocks_q8(f, &self.qs[r * bytes..(r + 1) * bytes], acts)
-                }
-                // SAFETY: int8 forms exist on x86-64 only when AVX2 and FMA were detected
-                QKind::Q8_0 => unsafe { dot_q8_0_avx2(self.q8_0_row(r), acts) },
-                QKind::F16 | QKind::BF16 => unreachable!("16-bit rows multiply float32 inputs"),
-            };
-            for (out, dot) in outs.iter_mut().zip(dots) {
-                out[i] = dot;
-            }
-        }
+        true
     }
 
     /// Bytes of the kept blocks (scales and values).
@@ -421,6 +409,17 @@ unsafe fn dot_q8_0_avx2<const M: usize>(row: Row<'_>, acts: &Acts<'_, M>) -> [f3
         }
     }
     acc.map(|a| hsum(a))
+}
+
+/// One Q8_0 row against `M` inputs' int8 forms: AVX2 on x86-64, NEON on aarch64.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+fn dot_q8_0_int8<const M: usize>(row: Row<'_>, acts: &Acts<'_, M>) -> [f32; M] {
+    // SAFETY: int8 forms exist on x86-64 only when AVX2 and FMA were detected; NEON is
+    // part of aarch64; the kernels check the slices' lengths
+    #[cfg(target_arch = "x86_64")]
+    return unsafe { dot_q8_0_avx2(row, acts) };
+    #[cfg(target_arch = "aarch64")]
+    return unsafe { dot_q8_0_neon(row, acts) };
 }
 
 /// `M` prepared inputs' int8 forms side by side, for the kernels that read a row once for
