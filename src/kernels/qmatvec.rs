@@ -864,6 +864,34 @@ unsafe fn rows_q8_0_vnni<const M: usize>(scales: &[f32], qs: &[u8], blocks: usiz
     }
 }
 
+/// What the Q4_0 / Q4_1 rows-in-lanes kernels need of a block format, checked against
+/// the matrix, the inputs and the outputs they are given.
+#[cfg(target_arch = "x86_64")]
+struct Q4Rows {
+    /// bytes per block, and where its 16 bytes of nibbles start (after the scales)
+    bytes: usize,
+    values_at: usize,
+    /// blocks per row, rows to compute
+    n: usize,
+    rows: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Q4Rows {
+    fn checked<const M: usize>(f: Format, qs: &[u8], row_bytes: usize, first: usize, acts: &Acts<'_, M>, outs: &[&mut [f32]]) -> Q4Rows {
+        let (bytes, values_at) = match f {
+            Format::Q4_0 => (18, 2),
+            Format::Q4_1 => (20, 4),
+            _ => unreachable!("{f:?} is not a 4-bit one-sub-block format"),
+        };
+        debug_assert_eq!(bytes, f.block_bytes());
+        let (n, rows) = (row_bytes / bytes, outs[0].len());
+        assert!(row_bytes.is_multiple_of(bytes) && qs.len() >= (first + rows) * row_bytes);
+        assert!((0..M).all(|m| outs[m].len() == rows && acts.xq[m].len() >= n * SUB && acts.xd[m].len() >= n && acts.block_sums[m].len() >= n));
+        Q4Rows { bytes, values_at, n, rows }
+    }
+}
+
 /// Q4_0 and Q4_1 rows against int8 activations with AVX-512 VNNI, sixteen rows at once,
 /// one row per 32-bit lane: for each block, the sixteen rows' 16 bytes of nibbles are
 /// gathered as four registers (lane `r`: row `r`'s bytes `4t..4t + 4`), whose low and high
@@ -879,15 +907,8 @@ unsafe fn rows_q8_0_vnni<const M: usize>(scales: &[f32], qs: &[u8], blocks: usiz
 unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize, first: usize, acts: &Acts<'_, M>, outs: &mut [&mut [f32]]) {
     use std::arch::x86_64::*;
     let f = Format::from_id(F);
-    let (bytes, values_at) = match f {
-        Format::Q4_0 => (18, 2),
-        Format::Q4_1 => (20, 4),
-        _ => unreachable!("{f:?} is not a 4-bit one-sub-block format"),
-    };
-    debug_assert_eq!(bytes, f.block_bytes());
-    let (n, rows) = (row_bytes / bytes, outs[0].len());
-    assert!(row_bytes.is_multiple_of(bytes) && qs.len() >= (first + rows) * row_bytes && row_bytes * 16 <= i32::MAX as usize);
-    assert!((0..M).all(|m| outs[m].len() == rows && acts.xq[m].len() >= n * SUB && acts.xd[m].len() >= n && acts.block_sums[m].len() >= n));
+    let Q4Rows { bytes, values_at, n, rows } = Q4Rows::checked(f, qs, row_bytes, first, acts, outs);
+    assert!(row_bytes * 16 <= i32::MAX as usize);
     let offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(row_bytes as i32));
     let low4 = _mm512_set1_epi8(0x0F);
     for g in (0..rows).step_by(16) {
@@ -951,15 +972,7 @@ unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize,
 unsafe fn rows_q4_avx2<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize, first: usize, acts: &Acts<'_, M>, outs: &mut [&mut [f32]]) {
     use std::arch::x86_64::*;
     let f = Format::from_id(F);
-    let (bytes, values_at) = match f {
-        Format::Q4_0 => (18, 2),
-        Format::Q4_1 => (20, 4),
-        _ => unreachable!("{f:?} is not a 4-bit one-sub-block format"),
-    };
-    debug_assert_eq!(bytes, f.block_bytes());
-    let (n, rows) = (row_bytes / bytes, outs[0].len());
-    assert!(row_bytes.is_multiple_of(bytes) && qs.len() >= (first + rows) * row_bytes);
-    assert!((0..M).all(|m| outs[m].len() == rows && acts.xq[m].len() >= n * SUB && acts.xd[m].len() >= n && acts.block_sums[m].len() >= n));
+    let Q4Rows { bytes, values_at, n, rows } = Q4Rows::checked(f, qs, row_bytes, first, acts, outs);
     let (low4, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
     for g in (0..rows).step_by(8) {
         let count = (rows - g).min(8);
