@@ -10,6 +10,8 @@ Engines (each skipped, with the reason printed, when its package is missing):
   ..., f16 cache          the same with model.new_cache(dtype="float16"): keys and values
                           stored as float16 (llama.cpp's default, and quantized=True's
                           default cache), half the bytes per step
+  ..., q8_0 cache         model.new_cache(dtype="q8_0"): keys and values in blocks of 32
+                          int8 values and a float16 scale, 0.27 of float32's bytes
   candle upstream         candle-transformers' Llama + Cache as shipped (float32)
   transformers            eager float32 (torch), a plain loop over past_key_values
   llama.cpp f32 / Q4_1    llama-cpp-python; the f32 GGUF is written by this script from the
@@ -116,7 +118,8 @@ class Engine:
 
 class Kvcandle(Engine):
     def __init__(self, quantized: bool, cache_dtype: Optional[str] = None) -> None:
-        self.name = ("kvcandle Q4_1" if quantized else "kvcandle f32") + (", f16 cache" if cache_dtype == "float16" else "")
+        short = {"float16": "f16", "q8_0": "q8_0"}.get(cache_dtype or "")
+        self.name = ("kvcandle Q4_1" if quantized else "kvcandle f32") + (f", {short} cache" if short else "")
         self.model = kvcandle.load(quantized=quantized)
         self.cache_dtype = cache_dtype
         self.cache = self.model.new_cache(dtype=cache_dtype)
@@ -286,6 +289,8 @@ def main() -> None:
         ("kvcandle Q4_1", lambda: Kvcandle(True, "float32")),
         ("kvcandle f32, f16 cache", lambda: Kvcandle(False, "float16")),
         ("kvcandle Q4_1, f16 cache", lambda: Kvcandle(True, "float16")),
+        ("kvcandle f32, q8_0 cache", lambda: Kvcandle(False, "q8_0")),
+        ("kvcandle Q4_1, q8_0 cache", lambda: Kvcandle(True, "q8_0")),
         ("candle upstream", Upstream),
         ("transformers", lambda: Transformers(threads)),
     ]

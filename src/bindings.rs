@@ -18,7 +18,7 @@ use pyo3::types::{PyDict, PyInt, PyList, PyType};
 
 use crate::cache::KvCache;
 use crate::cache_file;
-use crate::device::{compiled_devices, dtype_name, parse_device, parse_dtype};
+use crate::device::{compiled_devices, dtype_name, parse_cache_dtype, parse_device, parse_dtype};
 use crate::error::{no_panic, one_line, Error};
 use crate::loader::{self, Weights};
 use crate::model::Llama;
@@ -250,13 +250,13 @@ impl Model {
     }
 
     /// An empty cache; `dtype` (a name) stores its keys and values in another type than
-    /// the model's (float16 for a float32 CPU model).
+    /// the model's (float16 or q8_0 for a float32 CPU model).
     #[pyo3(signature = (dtype=None))]
     fn new_cache(&self, py: Python<'_>, dtype: Option<&str>) -> PyResult<KVCache> {
         let inner = match dtype {
             None => self.inner.new_cache(),
             Some(name) => {
-                let dt = parse_dtype(name, self.inner.device()).py_err(py)?;
+                let dt = parse_cache_dtype(name, self.inner.device()).py_err(py)?;
                 self.inner.new_cache_with(dt).py_err(py)?
             }
         };

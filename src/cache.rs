@@ -22,7 +22,8 @@ use half::slice::HalfFloatSliceExt;
 
 use candle_core::{DType, Device, Storage, Tensor};
 
-use crate::kernels::attention::{decode_attention_rows, prefill_attention, prefill_attention_half, LayerKv};
+use crate::kernels::attention::{decode_attention_rows, prefill_attention, prefill_attention_widened, LayerKv};
+use crate::kernels::kv8::{self, Q8Block};
 
 /// A tensor's storage, locked for reading, and its layout.
 type Locked<'g> = (std::sync::RwLockReadGuard<'g, Storage>, &'g candle_core::Layout);
@@ -31,6 +32,7 @@ type Locked<'g> = (std::sync::RwLockReadGuard<'g, Storage>, &'g candle_core::Lay
 enum Kv<'a> {
     F32(&'a LayerKv<'a>),
     F16(&'a LayerKv<'a, half::f16>),
+    Q8(&'a LayerKv<'a, Q8Block>),
 }
 
 use crate::error::{Error, Result};
@@ -40,6 +42,11 @@ use crate::error::{Error, Result};
 /// tokens each: at most 64 + 64 positions per fork), a whole number of the decode
 /// attention's groups of 16 and a divisor of its chunk of 256 positions per task.
 pub const BLOCK_LEN: usize = 64;
+
+/// The storage dtype of the 8-bit cache (`new_cache(dtype="q8_0")`): each (position, KV
+/// head) row of keys or values as [`kv8`]'s blocks of 32 int8 values and a float16 scale,
+/// held as bytes. A float32 model's CPU engine reads it; head sizes must be whole blocks.
+pub const Q8_0: DType = DType::U8;
 
 /// The shape of every layer's storage; fixed by the model that made the cache.
 #[derive(Debug, Clone)]
@@ -53,9 +60,19 @@ pub struct CacheLayout {
 }
 
 impl CacheLayout {
+    /// Storage elements of one (position, KV head) row: `head_dim` numbers, or the bytes
+    /// of its 8-bit blocks.
+    pub fn row_len(&self) -> usize {
+        if self.dtype == Q8_0 {
+            kv8::row_bytes(self.head_dim)
+        } else {
+            self.head_dim
+        }
+    }
+
     /// Bytes of keys plus values for one position across all layers.
     pub fn bytes_per_token(&self) -> usize {
-        2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
+        2 * self.num_layers * self.kv_heads * self.row_len() * self.dtype.size_in_bytes()
     }
 
     /// Bytes of one block (all its positions, used or not).
@@ -72,7 +89,7 @@ struct Block {
 
 impl Block {
     fn new(layout: &CacheLayout) -> Result<Self> {
-        let shape = (1, layout.kv_heads, BLOCK_LEN, layout.head_dim);
+        let shape = (1, layout.kv_heads, BLOCK_LEN, layout.row_len());
         let mut keys = Vec::with_capacity(layout.num_layers);
         let mut values = Vec::with_capacity(layout.num_layers);
         for _ in 0..layout.num_layers {
@@ -121,23 +138,29 @@ fn slices<'g, T: candle_core::WithDType>(guards: &'g [[Locked<'g>; 2]]) -> Resul
     Ok(Some(out))
 }
 
+/// [`slices`] of the 8-bit cache's bytes, read as its blocks.
+#[allow(clippy::type_complexity)]
+fn q8_slices<'g>(guards: &'g [[Locked<'g>; 2]]) -> Result<Option<Vec<(&'g [Q8Block], &'g [Q8Block])>>> {
+    Ok(slices::<u8>(guards)?.map(|blocks| blocks.into_iter().map(|(k, v)| (kv8::as_blocks(k), kv8::as_blocks(v))).collect()))
+}
+
 /// Attention of several new positions at once: row r's queries `qs[r]` (heads, head_dim)
 /// over the first `lens[r]` positions of `caches[r]`'s `layer`, in one job for the team
 /// ([`decode_attention_rows`]); each row's result is what it is alone. Rows of
-/// float32 and of float16 caches run as two such jobs. None when a cache is neither, or
-/// not in CPU memory.
+/// float32, float16 and 8-bit caches run as one such job per storage type. None when a
+/// cache is none of them, or not in CPU memory.
 pub(crate) fn attend_rows(caches: &[&KvCache], layer: usize, qs: &[&[f32]], lens: &[usize]) -> Result<Option<Vec<Vec<f32>>>> {
-    if caches.iter().any(|c| !c.layout.device.is_cpu() || !matches!(c.layout.dtype, DType::F32 | DType::F16)) {
+    if caches.iter().any(|c| !c.layout.device.is_cpu() || !matches!(c.layout.dtype, DType::F32 | DType::F16 | Q8_0)) {
         return Ok(None);
     }
     let guards: Vec<_> = caches.iter().zip(lens).map(|(c, &len)| c.guards(layer, len)).collect();
     let mut out = vec![Vec::new(); caches.len()];
     macro_rules! group {
-        ($dtype:pat, $t:ty) => {{
+        ($dtype:pat, $t:ty, $slices:expr) => {{
             let rows: Vec<usize> = (0..caches.len()).filter(|&r| matches!(caches[r].layout.dtype, $dtype)).collect();
             let mut kvs = Vec::with_capacity(rows.len());
             for &r in &rows {
-                let Some(blocks) = slices::<$t>(&guards[r])? else { return Ok(None) };
+                let Some(blocks) = $slices(&guards[r])? else { return Ok(None) };
                 let layout = &caches[r].layout;
                 kvs.push(LayerKv { blocks, block_len: BLOCK_LEN, kv_heads: layout.kv_heads, len: lens[r], head_dim: layout.head_dim });
             }
@@ -150,8 +173,9 @@ pub(crate) fn attend_rows(caches: &[&KvCache], layer: usize, qs: &[&[f32]], lens
             }
         }};
     }
-    group!(DType::F32, f32);
-    group!(DType::F16, half::f16);
+    group!(DType::F32, f32, slices::<f32>);
+    group!(DType::F16, half::f16, slices::<half::f16>);
+    group!(Q8_0, Q8Block, q8_slices);
     Ok(Some(out))
 }
 
@@ -311,9 +335,25 @@ impl KvCache {
 
     /// Writes the new keys and values (1, kv_heads, n, head_dim) of `layer` at the end
     /// of the cache. Positions must have been reserved.
+    /// An 8-bit cache rounds float keys and values into its blocks, and takes its own
+    /// blocks' bytes, (1, kv_heads, n, row bytes), as they are (a saved cache loading).
     pub(crate) fn write(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         let dtype = self.layout.dtype;
         let n = k.dim(2)?;
+        if dtype == Q8_0 && k.dtype() != Q8_0 {
+            let (heads, d) = (self.layout.kv_heads, self.layout.head_dim);
+            let floats = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+            let (kf, vf) = (floats(k)?, floats(v)?);
+            let (mut krow, mut vrow) = (vec![0f32; heads * d], vec![0f32; heads * d]);
+            for i in 0..n {
+                for h in 0..heads {
+                    krow[h * d..][..d].copy_from_slice(&kf[(h * n + i) * d..][..d]);
+                    vrow[h * d..][..d].copy_from_slice(&vf[(h * n + i) * d..][..d]);
+                }
+                self.write_at(layer, self.len() + i, &krow, &vrow)?;
+            }
+            return Ok(());
+        }
         let mut done = 0;
         while done < n {
             let p = self.len() + done;
@@ -328,23 +368,23 @@ impl KvCache {
 
     /// Writes one new position's keys and values (kv_heads * head_dim floats each) of
     /// `layer` at position `p` (the cache's length or after it), in place. Positions must
-    /// have been reserved; the cache must be float32 or float16 in CPU memory.
+    /// have been reserved; the cache must be float32, float16 or 8-bit in CPU memory.
     pub(crate) fn write_at(&self, layer: usize, p: usize, k: &[f32], v: &[f32]) -> Result<()> {
         debug_assert!(p >= self.len());
         let block = &self.blocks[p / BLOCK_LEN];
-        let (heads, d) = (self.layout.kv_heads, self.layout.head_dim);
+        let (heads, d, row) = (self.layout.kv_heads, self.layout.head_dim, self.layout.row_len());
         for (t, data) in [(&block.keys[layer], k), (&block.values[layer], v)] {
-            t.inplace_op1(&WritePosition { data, pos: p % BLOCK_LEN, capacity: BLOCK_LEN, heads, head_dim: d })?;
+            t.inplace_op1(&WritePosition { data, pos: p % BLOCK_LEN, capacity: BLOCK_LEN, heads, head_dim: d, row })?;
         }
         Ok(())
     }
 
-    /// `layer`'s keys and values of the first `len` positions, (1, kv_heads, len,
-    /// head_dim) each: the blocks joined (a copy).
+    /// `layer`'s keys and values of the first `len` positions as stored, (1, kv_heads,
+    /// len, row length) each: the blocks joined (a copy).
     pub(crate) fn view(&self, layer: usize, len: usize) -> Result<(Tensor, Tensor)> {
         let used = &self.blocks[..len.div_ceil(BLOCK_LEN)];
         if used.is_empty() {
-            let t = Tensor::zeros((1, self.layout.kv_heads, 0, self.layout.head_dim), self.layout.dtype, &self.layout.device)?;
+            let t = Tensor::zeros((1, self.layout.kv_heads, 0, self.layout.row_len()), self.layout.dtype, &self.layout.device)?;
             return Ok((t.clone(), t));
         }
         let join = |ts: Vec<&Tensor>| -> Result<Tensor> { Ok(Tensor::cat(&ts, 2)?.narrow(2, 0, len)?) };
@@ -358,12 +398,13 @@ impl KvCache {
     pub(crate) fn attend_causal(&self, layer: usize, q: &[f32], seq: usize, len: usize) -> Result<Option<Vec<f32>>> {
         self.with_layer(layer, len, |kv| match kv {
             Kv::F32(kv) => prefill_attention(q, seq, kv),
-            Kv::F16(kv) => prefill_attention_half(q, seq, kv),
+            Kv::F16(kv) => prefill_attention_widened(q, seq, kv),
+            Kv::Q8(kv) => prefill_attention_widened(q, seq, kv),
         })
     }
 
     /// Runs `f` over `layer`'s first `len` positions read in place from the blocks; None
-    /// when the cache is not float32 or float16 in CPU memory.
+    /// when the cache is not float32, float16 or 8-bit in CPU memory.
     fn with_layer<R>(&self, layer: usize, len: usize, f: impl FnOnce(Kv<'_>) -> R) -> Result<Option<R>> {
         if !self.layout.device.is_cpu() {
             return Ok(None);
@@ -373,6 +414,7 @@ impl KvCache {
         Ok(match self.layout.dtype {
             DType::F32 => slices::<f32>(&guards)?.map(|blocks| f(Kv::F32(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
             DType::F16 => slices::<half::f16>(&guards)?.map(|blocks| f(Kv::F16(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
+            Q8_0 => q8_slices(&guards)?.map(|blocks| f(Kv::Q8(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
             _ => None,
         })
     }
@@ -388,8 +430,22 @@ impl KvCache {
         self.tokens.extend_from_slice(ids);
     }
 
-    /// A contiguous copy of `layer`'s keys (or values), shape (1, kv_heads, len, head_dim).
+    /// A contiguous copy of `layer`'s keys (or values), shape (1, kv_heads, len, head_dim):
+    /// as stored, the 8-bit cache's widened to float32.
     pub fn layer_tensor(&self, layer: usize, values: bool) -> Result<Tensor> {
+        let stored = self.layer_stored(layer, values)?;
+        if self.layout.dtype != Q8_0 {
+            return Ok(stored);
+        }
+        let bytes = stored.flatten_all()?.to_vec1::<u8>()?;
+        let mut wide = vec![0f32; bytes.len() / kv8::BLOCK_BYTES * kv8::QK];
+        kv8::widen_into(kv8::as_blocks(&bytes), &mut wide);
+        Ok(Tensor::from_vec(wide, (1, self.layout.kv_heads, self.len(), self.layout.head_dim), &self.layout.device)?)
+    }
+
+    /// A contiguous copy of `layer`'s keys (or values) as stored, shape (1, kv_heads, len,
+    /// [`CacheLayout::row_len`]): what a saved cache holds.
+    pub fn layer_stored(&self, layer: usize, values: bool) -> Result<Tensor> {
         if layer >= self.layout.num_layers {
             return Err(Error::Input(format!(
                 "layer {layer} is out of range: the cache has {} layers",
@@ -401,14 +457,16 @@ impl KvCache {
     }
 }
 
-/// Copies one position's heads into a (1, heads, capacity, head_dim) float32 or float16
-/// buffer.
+/// Copies one position's heads into a (1, heads, capacity, row) float32 or float16
+/// buffer (row = head_dim), or rounds them into an 8-bit one (row = the bytes of a head's
+/// blocks).
 struct WritePosition<'a> {
     data: &'a [f32],
     pos: usize,
     capacity: usize,
     heads: usize,
     head_dim: usize,
+    row: usize,
 }
 
 impl candle_core::InplaceOp1 for WritePosition<'_> {
@@ -417,18 +475,19 @@ impl candle_core::InplaceOp1 for WritePosition<'_> {
     }
 
     fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<()> {
-        let d = self.head_dim;
-        if self.data.len() != self.heads * d || self.pos >= self.capacity || layout.dims() != [1, self.heads, self.capacity, d] {
+        let (d, row) = (self.head_dim, self.row);
+        if self.data.len() != self.heads * d || self.pos >= self.capacity || layout.dims() != [1, self.heads, self.capacity, row] {
             candle_core::bail!("cache write of {} floats at position {} does not fit {:?}", self.data.len(), self.pos, layout.dims());
         }
         let start = layout.start_offset();
         for (h, src) in self.data.chunks_exact(d).enumerate() {
-            let at = start + (h * self.capacity + self.pos) * d;
+            let at = start + (h * self.capacity + self.pos) * row;
             match storage {
                 candle_core::CpuStorage::F32(buf) => buf[at..at + d].copy_from_slice(src),
                 // rounded to nearest, as candle's to_dtype(F16) rounds a prefill's keys
                 candle_core::CpuStorage::F16(buf) => buf[at..at + d].convert_from_f32_slice(src),
-                _ => candle_core::bail!("the cache is neither float32 nor float16"),
+                candle_core::CpuStorage::U8(buf) => kv8::quantize_into(src, &mut buf[at..at + row]),
+                _ => candle_core::bail!("the cache is neither float32, float16 nor 8-bit"),
             }
         }
         Ok(())

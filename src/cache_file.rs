@@ -1,6 +1,7 @@
 //! A cache saved to disk and loaded back: one safetensors file holding, for the positions
-//! the cache holds (not its capacity), each layer's keys and values in the cache's dtype
-//! (`layers.{i}.keys`, `layers.{i}.values`, shape (1, kv_heads, len, head_dim)) and the
+//! the cache holds (not its capacity), each layer's keys and values as the cache stores
+//! them (`layers.{i}.keys`, `layers.{i}.values`, shape (1, kv_heads, len, head_dim); an
+//! 8-bit cache's as its blocks' bytes, u8 (1, kv_heads, len, row bytes)) and the
 //! token ids (`tokens`, u32); the metadata names the format, its version and the cache's
 //! dtype, beside what the caller adds (the model's fingerprint).
 //!
@@ -48,13 +49,13 @@ pub fn save(cache: &KvCache, path: &Path, metadata: &HashMap<String, String>) ->
     let mut meta = metadata.clone();
     meta.insert("format".into(), FORMAT.into());
     meta.insert("version".into(), VERSION.into());
-    meta.insert("dtype".into(), layout.dtype.as_str().into());
+    meta.insert("dtype".into(), file_dtype(layout.dtype).into());
     let token_bytes: Vec<u8> = cache.tokens().iter().flat_map(|t| t.to_le_bytes()).collect();
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
     if !cache.is_empty() {
         for layer in 0..layout.num_layers {
-            tensors.push((key_name(layer), cache.layer_tensor(layer, false)?.to_device(&candle_core::Device::Cpu)?));
-            tensors.push((value_name(layer), cache.layer_tensor(layer, true)?.to_device(&candle_core::Device::Cpu)?));
+            tensors.push((key_name(layer), cache.layer_stored(layer, false)?.to_device(&candle_core::Device::Cpu)?));
+            tensors.push((value_name(layer), cache.layer_stored(layer, true)?.to_device(&candle_core::Device::Cpu)?));
         }
     }
     let mut views: Vec<(String, TensorView<'_>)> = Vec::with_capacity(tensors.len() + 1);
@@ -80,6 +81,7 @@ fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
         DType::F32 => flat.to_vec1::<f32>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
         DType::F16 => flat.to_vec1::<half::f16>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
         DType::BF16 => flat.to_vec1::<half::bf16>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::U8 => flat.to_vec1::<u8>()?,
         other => return Err(Error::Cache(format!("a cache of dtype {} cannot be saved", other.as_str()))),
     })
 }
@@ -88,8 +90,17 @@ fn st_dtype(d: candle_core::DType) -> Dtype {
     match d {
         candle_core::DType::F16 => Dtype::F16,
         candle_core::DType::BF16 => Dtype::BF16,
+        candle_core::DType::U8 => Dtype::U8,
         _ => Dtype::F32,
     }
+}
+
+/// The cache file's names of the storage dtypes (metadata `dtype`).
+const FILE_DTYPES: [(candle_core::DType, &str); 4] =
+    [(candle_core::DType::F32, "f32"), (candle_core::DType::F16, "f16"), (candle_core::DType::BF16, "bf16"), (crate::cache::Q8_0, "q8_0")];
+
+fn file_dtype(d: candle_core::DType) -> &'static str {
+    FILE_DTYPES.iter().find(|(t, _)| *t == d).map_or("unknown", |(_, name)| name)
 }
 
 /// Writes `bytes` to a temporary file beside `path`, flushes it to disk and renames it
@@ -149,11 +160,9 @@ pub fn load(path: &Path, model: &Llama, expected: &HashMap<String, String>) -> R
         return Err(Error::Cache(format!("{} was saved from another model: {}", path.display(), differences.join("; "))));
     }
 
-    let dtype = match get("dtype") {
-        Some("f32") => candle_core::DType::F32,
-        Some("f16") => candle_core::DType::F16,
-        Some("bf16") => candle_core::DType::BF16,
-        other => return Err(bad(format!("the cache's dtype {:?} is not f32, f16 or bf16", other.unwrap_or("missing")))),
+    let Some(&(dtype, _)) = FILE_DTYPES.iter().find(|(_, name)| get("dtype") == Some(*name)) else {
+        let names: Vec<&str> = FILE_DTYPES.iter().map(|(_, name)| *name).collect();
+        return Err(bad(format!("the cache's dtype {:?} is not one of {}", get("dtype").unwrap_or("missing"), names.join(", "))));
     };
     let mut cache = model.new_cache_with(dtype).map_err(|e| bad(e.to_string()))?;
     let layout = cache.layout().clone();
@@ -186,7 +195,7 @@ pub fn load(path: &Path, model: &Llama, expected: &HashMap<String, String>) -> R
     if get("checksum") != Some(checksum(stored.iter().map(|(n, v)| (n.as_str(), v.data()))).as_str()) {
         return Err(bad("the checksum does not match the data: the file is damaged".into()));
     }
-    let shape = [1, layout.kv_heads, n, layout.head_dim];
+    let shape = [1, layout.kv_heads, n, layout.row_len()];
     let want = st_dtype(layout.dtype);
     let mut loaded = Vec::with_capacity(2 * layers);
     for name in (0..layers).flat_map(|l| [key_name(l), value_name(l)]) {

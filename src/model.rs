@@ -240,20 +240,26 @@ impl Llama {
         self.cache_of(self.default_cache_dtype())
     }
 
-    /// An empty cache storing keys and values as `dtype`: the model's own, or float16 for
-    /// a float32 model in CPU memory (half the bytes read per decode step; attention
-    /// still computes in float32, from keys and values rounded to float16).
+    /// An empty cache storing keys and values as `dtype`: the model's own, or for a
+    /// float32 model in CPU memory float16 (half the bytes read per decode step) or the
+    /// 8-bit blocks of [`crate::cache::Q8_0`] (0.27 of them; head sizes that are whole
+    /// blocks of 32). Attention still computes in float32, from the stored keys and values.
     pub fn new_cache_with(&self, dtype: DType) -> Result<KvCache> {
-        if dtype == self.dtype || (dtype == DType::F16 && self.decode) {
+        let eight_bit = self.config.head_dim.is_multiple_of(crate::kernels::kv8::QK);
+        if dtype == self.dtype || (self.decode && (dtype == DType::F16 || (dtype == crate::cache::Q8_0 && eight_bit))) {
             return Ok(self.cache_of(dtype));
         }
+        let also = match (self.decode, eight_bit) {
+            (true, true) => ", float16 or q8_0",
+            (true, false) => " or float16 (q8_0 needs a head size that is a multiple of 32)",
+            _ => "",
+        };
         Err(Error::DType(format!(
-            "a cache of {} does not fit this {} model on {}: its cache stores {}{}",
+            "a cache of {} does not fit this {} model on {}: its cache stores {}{also}",
             crate::device::dtype_name(dtype),
             crate::device::dtype_name(self.dtype),
             if self.device.is_cpu() { "cpu" } else { "this device" },
             crate::device::dtype_name(self.dtype),
-            if self.decode { " or float16" } else { "" }
         )))
     }
 

@@ -55,6 +55,17 @@ def test_quantized_decode_rows_are_bit_identical(tmp_path):
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 101, n).tolist() for n in (9, 0, 70, 2)]
     check_batch_equals_alone(model, prompts, [[5], [6], [7], [8]])
+    # 8-bit caches (heads of 64: two blocks each), and caches of every type in one batch
+    check_batch_equals_alone(model, prompts, [[5], [6], [7], [8]], dtype="q8_0")
+    dtypes = ["q8_0", "float32", "float16", "q8_0"]
+    caches = [model.new_cache(dtype=d) for d in dtypes]
+    for p, c in zip(prompts, caches):
+        if p:
+            model.forward(p, c)
+    got = model.forward_batch([[1], [2, 3], [4], [5]], caches)
+    for b, (p, s, d) in enumerate(zip(prompts, [[1], [2, 3], [4], [5]], dtypes)):
+        want = alone(model, p, s, d) if len(s) == 1 else one_by_one(model, p, s, d)[0][-1]
+        assert np.array_equal(got[b], want), f"sequence {b} ({d} cache)"
 
 
 def one_by_one(model, prompt, chunk, dtype=None):

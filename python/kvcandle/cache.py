@@ -85,8 +85,9 @@ class KVCache:
 
     @property
     def dtype(self) -> str:
-        """How keys and values are stored: the model's dtype, or ``"float16"`` for a cache
-        made with ``model.new_cache(dtype="float16")``."""
+        """How keys and values are stored: the model's dtype, or what
+        ``model.new_cache(dtype=...)`` asked for (``"float16"``, or ``"q8_0"``: blocks of 32
+        int8 values and a float16 scale, read back as float32 by :attr:`layers`)."""
         return self._inner.dtype
 
     @property

@@ -115,7 +115,10 @@ class Model:
                 ``"float16"``: half the memory and half the bytes a decode step reads
                 from the cache (what llama.cpp stores by default), attention still
                 computed in float32 from the rounded keys and values (about 3
-                significant digits each; see the README for what that moves); a
+                significant digits each; see the README for what that moves), and
+                ``"q8_0"`` where a head's size is a multiple of 32: each block of 32
+                dimensions of a key or value as int8 steps of a float16 scale (0.27 of
+                float32's bytes; up to 1/254 of the block's largest value off). A
                 quantized model takes ``"float32"`` for a cache as the float32 model's.
 
         Raises:

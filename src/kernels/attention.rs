@@ -50,7 +50,7 @@ pub struct LayerKv<'a, T = f32> {
     pub head_dim: usize,
 }
 
-impl<'a, T> LayerKv<'a, T> {
+impl<'a, T: Stored> LayerKv<'a, T> {
     /// One block of `capacity` positions (each head's positions contiguous).
     pub fn contiguous(keys: &'a [T], values: &'a [T], kv_heads: usize, capacity: usize, len: usize, head_dim: usize) -> Self {
         Self { blocks: vec![(keys, values)], block_len: capacity, kv_heads, len, head_dim }
@@ -68,8 +68,9 @@ impl<'a, T> LayerKv<'a, T> {
         let (b, at) = (positions.start / self.block_len, positions.start % self.block_len);
         debug_assert!(at + positions.len() <= self.block_len);
         let (keys, values) = self.blocks[b];
-        let first = (h * self.block_len + at) * self.head_dim;
-        let n = positions.len() * self.head_dim;
+        let row = self.head_dim / T::PER;
+        let first = (h * self.block_len + at) * row;
+        let n = positions.len() * row;
         (&keys[first..first + n], &values[first..first + n])
     }
 
@@ -118,9 +119,9 @@ unsafe fn widen_avx512(src: &[f16], dst: &mut [f32]) {
     src[n..].convert_to_f32_slice(&mut dst[n..]);
 }
 
-/// [`prefill_attention`] over a float16 cache: the positions the chunk sees are widened
-/// to float32 once per layer (one task per KV head), then attended as float32.
-pub fn prefill_attention_half(q: &[f32], seq: usize, kv: &LayerKv<'_, f16>) -> Vec<f32> {
+/// [`prefill_attention`] over a float16 or 8-bit cache: the positions the chunk sees are
+/// widened to float32 once per layer (one task per KV head), then attended as float32.
+pub fn prefill_attention_widened<T: Stored>(q: &[f32], seq: usize, kv: &LayerKv<'_, T>) -> Vec<f32> {
     let (d, len) = (kv.head_dim, kv.len);
     let mut keys = vec![0f32; kv.kv_heads * len * d];
     let mut values = vec![0f32; kv.kv_heads * len * d];
@@ -131,21 +132,26 @@ pub fn prefill_attention_half(q: &[f32], seq: usize, kv: &LayerKv<'_, f16>) -> V
             let (kd, vd) = unsafe { (ks.part(h * len * d..(h + 1) * len * d), vs.part(h * len * d..(h + 1) * len * d)) };
             let mut at = 0;
             for (k, v) in kv.runs(h, 0..len) {
-                widen_into(k, &mut kd[at..at + k.len()]);
-                widen_into(v, &mut vd[at..at + v.len()]);
-                at += k.len();
+                let n = k.len() * T::PER;
+                T::widen_into(k, &mut kd[at..at + n]);
+                T::widen_into(v, &mut vd[at..at + n]);
+                at += n;
             }
         });
     }
     prefill_attention(q, seq, &LayerKv::contiguous(&keys, &values, kv.kv_heads, len, len, d))
 }
 
-/// How the cache stores its numbers: float32 as is, float16 widened to float32 where the
-/// kernels read it (a block at a time, in a buffer of the thread, in the core's cache).
+/// How the cache stores its numbers: float32 as is, float16 and the 8-bit blocks
+/// ([`crate::kernels::kv8`]) widened to float32 where the kernels read them (a group of
+/// positions at a time, in a buffer of the thread, in the core's cache).
 pub trait Stored: Copy + Send + Sync + 'static {
+    /// Values per stored element (a head's row of `head_dim` values is `head_dim / PER`
+    /// elements).
+    const PER: usize = 1;
     /// The same numbers as float32 without a copy, where they already are.
     fn as_f32(s: &[Self]) -> Option<&[f32]>;
-    /// `src` as float32 into `dst` (same length).
+    /// `src` as float32 into `dst` (`PER` values per element).
     fn widen_into(src: &[Self], dst: &mut [f32]);
 }
 
@@ -575,9 +581,10 @@ fn chunk_portable<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions
             wv.resize(n * d, 0.0);
             let mut at = 0;
             for (k, v) in runs {
-                T::widen_into(k, &mut wk[at..at + k.len()]);
-                T::widen_into(v, &mut wv[at..at + v.len()]);
-                at += k.len();
+                let m = k.len() * T::PER;
+                T::widen_into(k, &mut wk[at..at + m]);
+                T::widen_into(v, &mut wv[at..at + m]);
+                at += m;
             }
             chunk_f32(q, &[(&wk[..], &wv[..])], n, d)
         }),
@@ -837,6 +844,7 @@ fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::kv8::as_blocks;
     use crate::kernels::matvec::Kernel;
 
     /// Softmax attention in float64, the plain way.
@@ -930,7 +938,7 @@ mod tests {
             assert!(err < 1e-5, "decode case {case}: max error {err}");
             // prefill: the last `seq` positions, each over the positions up to its own
             let qs: Vec<f32> = random(heads * seq * d, 320 + case as u64).iter().map(|x| 4.0 * x).collect();
-            let got = prefill_attention_half(&qs, seq, &half);
+            let got = prefill_attention_widened(&qs, seq, &half);
             let offset = len - seq;
             for i in 0..seq {
                 let qi: Vec<f32> = (0..heads).flat_map(|hh| qs[(hh * seq + i) * d..][..d].to_vec()).collect();
@@ -989,7 +997,36 @@ mod tests {
             let half = LayerKv::contiguous(&k16, &v16, kv_heads, capacity, len, d);
             let want = reference(&q, &LayerKv::contiguous(&k32, &v32, kv_heads, capacity, len, d));
             check_every_path(&q, &half, &want, &format!("case {case}, float16"));
+            // and rounded to the 8-bit cache's blocks (head sizes that are whole blocks)
+            if d % crate::kernels::kv8::QK == 0 {
+                let (k8, k8f) = eight_bit(&keys);
+                let (v8, v8f) = eight_bit(&values);
+                let kv8 = LayerKv::contiguous(as_blocks(&k8), as_blocks(&v8), kv_heads, capacity, len, d);
+                let want = reference(&q, &LayerKv::contiguous(&k8f, &v8f, kv_heads, capacity, len, d));
+                check_every_path(&q, &kv8, &want, &format!("case {case}, 8-bit"));
+                // prefill over the same blocks: the last positions, each over those up to it
+                let seq = len.min(5);
+                let qs: Vec<f32> = random(kv_heads * n_rep * seq * d, 400 + case as u64).iter().map(|x| 4.0 * x).collect();
+                let got = prefill_attention_widened(&qs, seq, &kv8);
+                let wide = LayerKv::contiguous(&k8f, &v8f, kv_heads, capacity, len, d);
+                let heads = kv_heads * n_rep;
+                for i in 0..seq {
+                    let qi: Vec<f32> = (0..heads).flat_map(|hh| qs[(hh * seq + i) * d..][..d].to_vec()).collect();
+                    let want = reference(&qi, &wide.first(len - seq + i + 1));
+                    let err = got[i * heads * d..][..heads * d].iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
+                    assert!(err < 1e-5, "8-bit prefill case {case}, position {i}: max error {err}");
+                }
+            }
         }
+    }
+
+    /// Head-major numbers rounded to the 8-bit cache's blocks: (bytes, the stored values).
+    fn eight_bit(v: &[f32]) -> (Vec<u8>, Vec<f32>) {
+        let mut bytes = vec![0u8; crate::kernels::kv8::row_bytes(v.len())];
+        crate::kernels::kv8::quantize_into(v, &mut bytes);
+        let mut wide = vec![0f32; v.len()];
+        crate::kernels::kv8::widen_into(as_blocks(&bytes), &mut wide);
+        (bytes, wide)
     }
 
     /// Head-major (kv_heads, capacity, d) numbers cut into blocks of `block_len` positions,
@@ -1037,10 +1074,18 @@ mod tests {
                     assert_eq!(run(&kv), run(&whole), "case {case}, blocks of {block_len}, {k:?}");
                 }
                 assert_eq!(decode_attention(&q, &kv16), decode_attention(&q, &whole16), "case {case}, float16 blocks of {block_len}");
+                // 8-bit blocks: each block's rows of blocks of 32 values, read through the table
+                let row = crate::kernels::kv8::row_bytes(d);
+                let (k8, v8) = (eight_bit(&keys).0, eight_bit(&values).0);
+                let (kb8, vb8) = (blocks_of(&k8, kv_heads, len, row, block_len), blocks_of(&v8, kv_heads, len, row, block_len));
+                let kv8 = LayerKv { blocks: kb8.iter().zip(&vb8).map(|(k, v)| (as_blocks(k), as_blocks(v))).collect(), block_len, kv_heads, len, head_dim: d };
+                let whole8 = LayerKv::contiguous(as_blocks(&k8), as_blocks(&v8), kv_heads, len, len, d);
+                assert_eq!(decode_attention(&q, &kv8), decode_attention(&q, &whole8), "case {case}, 8-bit blocks of {block_len}");
+                assert_eq!(prefill_attention_widened(&q, 1, &kv8), prefill_attention_widened(&q, 1, &whole8), "case {case}: 8-bit prefill");
                 let qs: Vec<f32> = random(kv_heads * n_rep * seq * d, 350 + case as u64).iter().map(|x| 4.0 * x).collect();
                 let got = prefill_attention(&qs, seq, &kv);
-                let got16 = prefill_attention_half(&qs, seq, &kv16);
-                assert_eq!(got16, prefill_attention_half(&qs, seq, &whole16), "case {case}: float16 prefill widens the same numbers");
+                let got16 = prefill_attention_widened(&qs, seq, &kv16);
+                assert_eq!(got16, prefill_attention_widened(&qs, seq, &whole16), "case {case}: float16 prefill widens the same numbers");
                 let heads = kv_heads * n_rep;
                 for i in 0..seq {
                     let qi: Vec<f32> = (0..heads).flat_map(|hh| qs[(hh * seq + i) * d..][..d].to_vec()).collect();

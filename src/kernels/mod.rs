@@ -7,6 +7,7 @@
 
 pub mod attention;
 pub mod blocks;
+pub mod kv8;
 pub mod matvec;
 pub mod qmatvec;
 pub mod team;

@@ -1,0 +1,213 @@
+//! The 8-bit cache's numbers: each (position, KV head) row of keys or values in blocks of
+//! [`QK`] dimensions, each block 32 int8 values and one float16 scale (34 bytes for 32
+//! values: the layout of GGUF's Q8_0, 0.27 of float32's bytes and 0.53 of float16's).
+//!
+//! A block's scale is its largest magnitude over 127, rounded to float16; each value is
+//! then rounded to the nearest multiple of that stored scale, so a stored value is off by
+//! at most half a scale step (max |x| / 254 of its block, plus the float16 rounding of the
+//! scale). Attention reads the blocks where they are: each task widens a group of
+//! positions into float32 in a buffer of its thread, in the core's cache, as it does for
+//! float16 ([`crate::kernels::attention::Stored`]).
+
+use half::f16;
+
+use crate::kernels::attention::Stored;
+
+/// Values per block.
+pub const QK: usize = 32;
+
+/// One block of 32 values: the scale (float16, little-endian bytes) and the int8 values.
+/// Byte-aligned, so a cache block's bytes are read as blocks in place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct Q8Block {
+    scale: [u8; 2],
+    qs: [i8; QK],
+}
+
+/// Bytes of one block.
+pub const BLOCK_BYTES: usize = std::mem::size_of::<Q8Block>();
+const _: () = assert!(BLOCK_BYTES == 34 && std::mem::align_of::<Q8Block>() == 1);
+
+impl Q8Block {
+    /// 32 values rounded as the module says.
+    pub fn quantize(x: &[f32]) -> Self {
+        debug_assert_eq!(x.len(), QK);
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = f16::from_f32(amax / 127.0);
+        let step = scale.to_f32();
+        let mut qs = [0i8; QK];
+        if step > 0.0 && step.is_finite() {
+            for (q, &v) in qs.iter_mut().zip(x) {
+                // a float16 scale rounded down can put amax a hair past 127 steps
+                *q = (v / step).round().clamp(-127.0, 127.0) as i8;
+            }
+        }
+        Self { scale: scale.to_le_bytes(), qs }
+    }
+
+    pub fn scale(&self) -> f32 {
+        f16::from_le_bytes(self.scale).to_f32()
+    }
+
+    /// The stored values as float32 (exact: an int8 times a float16 fits float32).
+    fn widen(&self, dst: &mut [f32]) {
+        let s = self.scale();
+        for (d, &q) in dst.iter_mut().zip(&self.qs) {
+            *d = q as f32 * s;
+        }
+    }
+}
+
+/// Storage bytes of one row of `head_dim` values (a multiple of [`QK`]).
+pub fn row_bytes(head_dim: usize) -> usize {
+    head_dim / QK * BLOCK_BYTES
+}
+
+/// Rounds `src` (a multiple of [`QK`] values) into blocks, written as bytes to `dst`
+/// (`row_bytes(src.len())` of them).
+pub fn quantize_into(src: &[f32], dst: &mut [u8]) {
+    debug_assert!(src.len().is_multiple_of(QK) && dst.len() == row_bytes(src.len()));
+    for (x, out) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(BLOCK_BYTES)) {
+        let b = Q8Block::quantize(x);
+        out[..2].copy_from_slice(&b.scale);
+        for (o, q) in out[2..].iter_mut().zip(b.qs) {
+            *o = q as u8;
+        }
+    }
+}
+
+/// Bytes (a whole number of blocks) read as blocks, in place.
+pub fn as_blocks(bytes: &[u8]) -> &[Q8Block] {
+    assert!(bytes.len().is_multiple_of(BLOCK_BYTES), "{} bytes are not a whole number of 8-bit cache blocks", bytes.len());
+    // SAFETY: Q8Block is repr(C) of byte arrays (size 34, alignment 1, every bit pattern
+    // valid), so any 34 bytes are one; the length was checked
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const Q8Block, bytes.len() / BLOCK_BYTES) }
+}
+
+/// The stored values of `src` as float32 into `dst` (32 per block), on the best
+/// instruction set the CPU has; each path gives the same numbers (the products are exact).
+pub fn widen_into(src: &[Q8Block], dst: &mut [f32]) {
+    debug_assert_eq!(src.len() * QK, dst.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::matvec::{kernel, Kernel};
+        match kernel() {
+            // SAFETY: the CPU has AVX-512F (checked at run time)
+            Kernel::Avx512 => return unsafe { widen_avx512(src, dst) },
+            // SAFETY: the CPU has AVX2 (checked at run time)
+            Kernel::Avx2 => return unsafe { widen_avx2(src, dst) },
+            Kernel::Portable => {}
+        }
+    }
+    widen_portable(src, dst);
+}
+
+fn widen_portable(src: &[Q8Block], dst: &mut [f32]) {
+    for (b, d) in src.iter().zip(dst.chunks_exact_mut(QK)) {
+        b.widen(d);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn widen_avx512(src: &[Q8Block], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    for (i, b) in src.iter().enumerate() {
+        let s = _mm512_set1_ps(b.scale());
+        let q = b.qs.as_ptr() as *const __m128i;
+        let out = dst.as_mut_ptr().add(i * QK);
+        for half in 0..2 {
+            let v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(half))));
+            _mm512_storeu_ps(out.add(16 * half), _mm512_mul_ps(v, s));
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn widen_avx2(src: &[Q8Block], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    for (i, b) in src.iter().enumerate() {
+        let s = _mm256_set1_ps(b.scale());
+        let out = dst.as_mut_ptr().add(i * QK);
+        for part in 0..4 {
+            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(b.qs.as_ptr().add(8 * part) as *const __m128i)));
+            _mm256_storeu_ps(out.add(8 * part), _mm256_mul_ps(v, s));
+        }
+    }
+}
+
+impl Stored for Q8Block {
+    const PER: usize = QK;
+    fn as_f32(_: &[Q8Block]) -> Option<&[f32]> {
+        None
+    }
+    fn widen_into(src: &[Q8Block], dst: &mut [f32]) {
+        widen_into(src, dst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rounding_is_within_half_a_step_and_widening_is_exact_on_every_path() {
+        // magnitudes from tiny to large, one outlier per block, zeros, a block of zeros
+        let mut x: Vec<f32> = random(64 * QK, 3).iter().enumerate().map(|(i, v)| v * [1e-3, 1.0, 30.0, 500.0][i / QK % 4]).collect();
+        x[5] = 40.0;
+        x[QK..2 * QK].fill(0.0);
+        let mut bytes = vec![0u8; row_bytes(x.len())];
+        quantize_into(&x, &mut bytes);
+        let blocks = as_blocks(&bytes);
+        let mut want = vec![0f32; x.len()];
+        widen_portable(blocks, &mut want);
+        for (b, (xs, ws)) in blocks.iter().zip(x.chunks_exact(QK).zip(want.chunks_exact(QK))) {
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+            let step = b.scale() as f64;
+            // normal float16 scales are within 2^-11 of amax / 127 (subnormal ones, of
+            // blocks below 0.008, within 6e-8)
+            assert!((step - amax / 127.0).abs() <= (amax / 127.0 / 2048.0).max(3e-8), "scale {step} for max {amax}");
+            // half a step, or what clamping to 127 steps cut off
+            let bound = (step / 2.0).max(amax - 127.0 * step) * (1.0 + 1e-6) + 1e-12;
+            for (&v, &w) in xs.iter().zip(ws) {
+                assert!(((v as f64) - (w as f64)).abs() <= bound, "{v} stored as {w} (scale {})", b.scale());
+            }
+        }
+        assert!(want[QK..2 * QK].iter().all(|&w| w == 0.0));
+        for level in crate::kernels::matvec::Kernel::available() {
+            let mut got = vec![0f32; x.len()];
+            match level {
+                // SAFETY: `available` lists the levels this CPU runs
+                #[cfg(target_arch = "x86_64")]
+                crate::kernels::matvec::Kernel::Avx512 => unsafe { widen_avx512(blocks, &mut got) },
+                #[cfg(target_arch = "x86_64")]
+                crate::kernels::matvec::Kernel::Avx2 => unsafe { widen_avx2(blocks, &mut got) },
+                _ => widen_portable(blocks, &mut got),
+            }
+            assert_eq!(got, want, "{level:?}");
+        }
+        // rounding what is stored stores it again, bit for bit (blocks of normal scales)
+        let normal: Vec<f32> = x.chunks_exact(QK).zip(want.chunks_exact(QK)).filter(|(xs, _)| xs.iter().any(|v| v.abs() > 0.01)).flat_map(|(_, w)| w.to_vec()).collect();
+        let (mut once, mut twice) = (vec![0u8; row_bytes(normal.len())], vec![0u8; row_bytes(normal.len())]);
+        quantize_into(&normal, &mut once);
+        let mut back = vec![0f32; normal.len()];
+        widen_portable(as_blocks(&once), &mut back);
+        assert_eq!(back, normal);
+        quantize_into(&back, &mut twice);
+        assert_eq!(once, twice);
+    }
+}
