@@ -53,6 +53,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
     ap.add_argument("--quick", action="store_true", help="skip the 4,096 context and the no-cache experiment")
+    ap.add_argument("--no-lecture", action="store_true", help="skip the no-cache experiment only")
     ap.add_argument("--plot", default=None, help="write a PNG of decode step time against context")
     ap.add_argument("--engines", nargs="*", default=None, help="only these engines (names as printed)")
     ap.add_argument("--simd", default=None, help="force kvcandle's kernels to this SIMD level (KVCANDLE_SIMD: avx512, avx2, portable)")
@@ -365,9 +366,7 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{v:.2f}" if i == 0 else f"{v:.1f}" for i, v in enumerate(row)) + " |")
 
     print(f"\nmedians of {args.rounds} rounds, engines in turns, {args.steps} decode steps per round")
-    for ours in ("kvcandle f32", "kvcandle Q4_1", "kvcandle f32, f16 cache", "kvcandle Q4_1, f16 cache"):
-        if ours not in table:
-            continue
+    for ours in [n for n in names if n.startswith("kvcandle") and n in table]:
         print(f"\n{ours}:")
         d5 = table[ours][4]
         print("  decode vs its own 5-token context: " + ", ".join(f"@{n} {table[ours][4 + i] / d5:.2f}" for i, n in enumerate(contexts)))
@@ -377,10 +376,11 @@ def main() -> None:
         for other in names:
             if other.startswith("kvcandle"):
                 continue
-            r = [table[ours][i] / table[other][i] for i in (1, 2, 4)]
-            print(f"  vs {other}: prefill 512 {r[0]:.2f}x, prefill 2048 {r[1]:.2f}x, decode @5 {r[2]:.2f}x")
+            r = [table[ours][i] / table[other][i] for i in (1, 2)]
+            at = ", ".join(f"@{n} {table[ours][4 + i] / table[other][4 + i]:.2f}x" for i, n in enumerate(contexts))
+            print(f"  vs {other}: prefill 512 {r[0]:.2f}x, prefill 2048 {r[1]:.2f}x, decode {at}")
 
-    if not args.quick:
+    if not (args.quick or args.no_lecture):
         lecture(engines, ids_for[5], args)
     if args.plot:
         plot(args.plot, names, contexts, decode, threads)

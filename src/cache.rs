@@ -341,16 +341,14 @@ impl KvCache {
         let dtype = self.layout.dtype;
         let n = k.dim(2)?;
         if dtype == Q8_0 && k.dtype() != Q8_0 {
-            let (heads, d) = (self.layout.kv_heads, self.layout.head_dim);
-            let floats = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
-            let (kf, vf) = (floats(k)?, floats(v)?);
-            let (mut krow, mut vrow) = (vec![0f32; heads * d], vec![0f32; heads * d]);
-            for i in 0..n {
-                for h in 0..heads {
-                    krow[h * d..][..d].copy_from_slice(&kf[(h * n + i) * d..][..d]);
-                    vrow[h * d..][..d].copy_from_slice(&vf[(h * n + i) * d..][..d]);
-                }
-                self.write_at(layer, self.len() + i, &krow, &vrow)?;
+            // rounded into the blocks a run of positions at a time
+            let mut done = 0;
+            while done < n {
+                let p = self.len() + done;
+                let m = (BLOCK_LEN - p % BLOCK_LEN).min(n - done);
+                let floats = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.narrow(2, done, m)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+                self.write_run(layer, p, m, &floats(k)?, &floats(v)?)?;
+                done += m;
             }
             return Ok(());
         }
@@ -370,11 +368,17 @@ impl KvCache {
     /// `layer` at position `p` (the cache's length or after it), in place. Positions must
     /// have been reserved; the cache must be float32, float16 or 8-bit in CPU memory.
     pub(crate) fn write_at(&self, layer: usize, p: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        self.write_run(layer, p, 1, k, v)
+    }
+
+    /// [`Self::write_at`] for `count` positions from `p` in one block: keys and values
+    /// (kv_heads, count, head_dim) floats each.
+    fn write_run(&self, layer: usize, p: usize, count: usize, k: &[f32], v: &[f32]) -> Result<()> {
         debug_assert!(p >= self.len());
         let block = &self.blocks[p / BLOCK_LEN];
         let (heads, d, row) = (self.layout.kv_heads, self.layout.head_dim, self.layout.row_len());
         for (t, data) in [(&block.keys[layer], k), (&block.values[layer], v)] {
-            t.inplace_op1(&WritePosition { data, pos: p % BLOCK_LEN, capacity: BLOCK_LEN, heads, head_dim: d, row })?;
+            t.inplace_op1(&WritePosition { data, pos: p % BLOCK_LEN, count, capacity: BLOCK_LEN, heads, head_dim: d, row })?;
         }
         Ok(())
     }
@@ -457,12 +461,13 @@ impl KvCache {
     }
 }
 
-/// Copies one position's heads into a (1, heads, capacity, row) float32 or float16
-/// buffer (row = head_dim), or rounds them into an 8-bit one (row = the bytes of a head's
-/// blocks).
+/// Copies `count` positions' heads, (heads, count, head_dim) floats, into a (1, heads,
+/// capacity, row) float32 or float16 buffer (row = head_dim) from position `pos`, or
+/// rounds them into an 8-bit one (row = the bytes of a head's blocks).
 struct WritePosition<'a> {
     data: &'a [f32],
     pos: usize,
+    count: usize,
     capacity: usize,
     heads: usize,
     head_dim: usize,
@@ -476,12 +481,14 @@ impl candle_core::InplaceOp1 for WritePosition<'_> {
 
     fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<()> {
         let (d, row) = (self.head_dim, self.row);
-        if self.data.len() != self.heads * d || self.pos >= self.capacity || layout.dims() != [1, self.heads, self.capacity, row] {
+        let n = self.count;
+        if self.data.len() != self.heads * n * d || self.pos + n > self.capacity || layout.dims() != [1, self.heads, self.capacity, row] {
             candle_core::bail!("cache write of {} floats at position {} does not fit {:?}", self.data.len(), self.pos, layout.dims());
         }
         let start = layout.start_offset();
-        for (h, src) in self.data.chunks_exact(d).enumerate() {
-            let at = start + (h * self.capacity + self.pos) * row;
+        for (r, src) in self.data.chunks_exact(d).enumerate() {
+            let (h, i) = (r / n, r % n);
+            let at = start + (h * self.capacity + self.pos + i) * row;
             match storage {
                 candle_core::CpuStorage::F32(buf) => buf[at..at + d].copy_from_slice(src),
                 // rounded to nearest, as candle's to_dtype(F16) rounds a prefill's keys
@@ -584,6 +591,47 @@ mod tests {
         assert_eq!(a.len(), 4);
         assert_eq!(a.crop(4).unwrap(), 0);
         assert_eq!(a.trim(0).unwrap(), 0);
+    }
+
+    #[test]
+    fn an_eight_bit_cache_stores_rounded_rows_and_forks_exactly() {
+        let (heads, d) = (2, 64);
+        let layout = CacheLayout { num_layers: 1, kv_heads: heads, head_dim: d, max_len: 300, dtype: Q8_0, device: Device::Cpu };
+        assert_eq!(layout.bytes_per_token(), 2 * heads * 68);
+        let floats = |n: usize, seed: f32| -> Vec<f32> { (0..heads * n * d).map(|i| ((i as f32 * 0.37 + seed).sin() * (1.0 + (i % d) as f32))).collect() };
+        let rounded = |x: &[f32]| -> Vec<f32> {
+            let mut bytes = vec![0u8; kv8::row_bytes(x.len())];
+            kv8::quantize_into(x, &mut bytes);
+            let mut out = vec![0f32; x.len()];
+            kv8::widen_into(kv8::as_blocks(&bytes), &mut out);
+            out
+        };
+        // (heads, n, d) per write: a prefill that crosses a block, then single positions
+        let mut a = KvCache::new(1, layout);
+        let mut want_k = vec![Vec::new(); heads];
+        let mut put = |c: &mut KvCache, want: &mut Vec<Vec<f32>>, n: usize, seed: f32| {
+            let x = floats(n, seed);
+            c.reserve(n).unwrap();
+            let t = Tensor::from_vec(x.clone(), (1, heads, n, d), &Device::Cpu).unwrap();
+            c.write(0, &t, &t).unwrap();
+            c.commit(&vec![0; n]);
+            for h in 0..heads {
+                want[h].extend(rounded(&x[h * n * d..(h + 1) * n * d]));
+            }
+        };
+        put(&mut a, &mut want_k, BLOCK_LEN + 5, 0.0);
+        let mut b = a.fork();
+        let mut want_b = want_k.clone();
+        put(&mut a, &mut want_k, 1, 1.0);
+        put(&mut b, &mut want_b, 3, 2.0);
+        for (c, want) in [(&a, &want_k), (&b, &want_b)] {
+            let got = c.layer_tensor(0, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(got, want.concat());
+            let stored = c.layer_stored(0, true).unwrap();
+            assert_eq!((stored.dtype(), stored.dims()), (Q8_0, &[1, heads, c.len(), 2 * 34][..]));
+        }
+        // the full first block shared; the second written in place by `a`, copied by `b`
+        assert_eq!(KvCache::held_bytes([&a, &b]), 3 * a.layout.bytes_per_block());
     }
 
     #[test]

@@ -18,8 +18,8 @@ def test_same_model_as_float(default_quantized, default_model):
     assert default_quantized.quantized and not default_model.quantized
     assert default_quantized.config == default_model.config
     cq, cf = default_quantized.new_cache(), default_model.new_cache()
-    # int8 activations: a float16 cache by default (README: the default cache per model)
-    assert (cq.dtype, cf.dtype) == ("float16", "float32")
+    # int8 activations: an 8-bit cache by default (README: the default cache per model)
+    assert (cq.dtype, cf.dtype) == ("q8_0", "float32")
     rq = np.stack([default_quantized.forward(SEQ[:5], cq)] + [default_quantized.forward([t], cq) for t in SEQ[5:]])
     rf = np.stack([default_model.forward(SEQ[:5], cf)] + [default_model.forward([t], cf) for t in SEQ[5:]])
     agree = int((rq.argmax(-1) == rf.argmax(-1)).sum())
@@ -48,7 +48,7 @@ def test_cache_semantics_are_unchanged(default_quantized):
 
 def test_long_prompt_uses_the_float_path(default_quantized, default_model):
     ids = SEQ + SEQ  # 48 rows: dequantized blocks, float matmul, as the float model
-    # with the float model's cache (the quantized model's default cache is float16)
+    # with the float model's cache (the quantized model's default cache is 8-bit)
     a = default_quantized.forward(ids, default_quantized.new_cache("float32"), all_logits=True)
     b = default_model.forward(ids, all_logits=True)
     assert max_abs(a, b) <= 1e-3

@@ -99,10 +99,11 @@ class Model:
     @property
     def default_cache_dtype(self) -> str:
         """What :meth:`new_cache` stores keys and values as by default: the model's dtype
-        (a float32 model keeps its parity with float64), or ``"float16"`` for a model
-        loaded with ``quantized=True`` whose matrices are GGUF blocks: their int8
-        activations already move its logits about as much as the rounding to float16
-        does (measured in the README), for half the cache's bytes per decode step."""
+        (a float32 model keeps its parity with float64), or ``"q8_0"`` for a model loaded
+        with ``quantized=True`` whose matrices are GGUF blocks (``"float16"`` where its
+        heads are not a multiple of 32 wide): their int8 activations already move its
+        logits more than the 8-bit cache's rounding does (measured in the README), for
+        0.27 of a float32 cache's bytes per decode step."""
         return self._inner.default_cache_dtype
 
     def new_cache(self, dtype: Optional[str] = None) -> KVCache:
@@ -110,7 +111,7 @@ class Model:
 
         Args:
             dtype: how keys and values are stored; ``None`` is
-                :attr:`default_cache_dtype`: the model's dtype, except ``"float16"``
+                :attr:`default_cache_dtype`: the model's dtype, except ``"q8_0"``
                 with ``quantized=True`` on GGUF blocks. A float32 model on the CPU also takes
                 ``"float16"``: half the memory and half the bytes a decode step reads
                 from the cache (what llama.cpp stores by default), attention still

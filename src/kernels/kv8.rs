@@ -46,8 +46,20 @@ impl Q8Block {
         Self { scale: scale.to_le_bytes(), qs }
     }
 
+    /// The scale as float32, exactly, without the `half` crate's run-time dispatch (a call
+    /// per block: 3 % of a decode step at 4,096 positions): a float16's magnitude bits
+    /// shifted into a float32's place are the same number times 2^-112 (for subnormals
+    /// too), so one multiplication by 2^112 restores it. Scales are finite (the largest
+    /// float16 is 65,504, a block's largest magnitude would be 127 times that).
+    #[inline(always)]
     pub fn scale(&self) -> f32 {
-        f16::from_le_bytes(self.scale).to_f32()
+        let h = u16::from_le_bytes(self.scale);
+        let magnitude = f32::from_bits(((h & 0x7fff) as u32) << 13) * f32::from_bits(0x7780_0000); // 2^112
+        if h & 0x8000 != 0 {
+            -magnitude
+        } else {
+            magnitude
+        }
     }
 
     /// The stored values as float32 (exact: an int8 times a float16 fits float32).
@@ -188,6 +200,11 @@ mod tests {
             }
         }
         assert!(want[QK..2 * QK].iter().all(|&w| w == 0.0));
+        // the scale's conversion is the half crate's, for every finite float16
+        for h in (0..0x7c00u16).chain(0x8000..0xfc00) {
+            let b = Q8Block { scale: h.to_le_bytes(), qs: [0; QK] };
+            assert_eq!(b.scale().to_bits(), f16::from_bits(h).to_f32().to_bits(), "{h:#06x}");
+        }
         for level in crate::kernels::matvec::Kernel::available() {
             let mut got = vec![0f32; x.len()];
             match level {
