@@ -598,7 +598,7 @@ mod tests {
         let (heads, d) = (2, 64);
         let layout = CacheLayout { num_layers: 1, kv_heads: heads, head_dim: d, max_len: 300, dtype: Q8_0, device: Device::Cpu };
         assert_eq!(layout.bytes_per_token(), 2 * heads * 68);
-        let floats = |n: usize, seed: f32| -> Vec<f32> { (0..heads * n * d).map(|i| ((i as f32 * 0.37 + seed).sin() * (1.0 + (i % d) as f32))).collect() };
+        let floats = |n: usize, seed: f32| -> Vec<f32> { (0..heads * n * d).map(|i| (i as f32 * 0.37 + seed).sin() * (1.0 + (i % d) as f32)).collect() };
         let rounded = |x: &[f32]| -> Vec<f32> {
             let mut bytes = vec![0u8; kv8::row_bytes(x.len())];
             kv8::quantize_into(x, &mut bytes);
@@ -609,7 +609,7 @@ mod tests {
         // (heads, n, d) per write: a prefill that crosses a block, then single positions
         let mut a = KvCache::new(1, layout);
         let mut want_k = vec![Vec::new(); heads];
-        let mut put = |c: &mut KvCache, want: &mut Vec<Vec<f32>>, n: usize, seed: f32| {
+        let put = |c: &mut KvCache, want: &mut Vec<Vec<f32>>, n: usize, seed: f32| {
             let x = floats(n, seed);
             c.reserve(n).unwrap();
             let t = Tensor::from_vec(x.clone(), (1, heads, n, d), &Device::Cpu).unwrap();
