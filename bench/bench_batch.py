@@ -142,8 +142,8 @@ def main() -> None:
         pass
     for quantized in (False, True):
         model = kvcandle.load(quantized=quantized)
-        # each model's default cache (float16 for quantized=True since the default
-        # changed; the README's tables before that were float32 caches throughout)
+        # each model's default cache (8-bit for quantized=True; the README's tables
+        # were measured with float32 caches throughout)
         name = ("quantized=True" if quantized else "float32") + f", {model.default_cache_dtype} cache"
         cost = chunk_costs(model, rng, args.rounds)
         print(f"kvcandle {name}, a chunk of k tokens after 300, in decode steps ({cost[1] * 1e3:.1f} ms): "

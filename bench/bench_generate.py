@@ -8,10 +8,10 @@ Engines (each skipped, with the reason printed, when its package is missing):
   kvcandle Q4_1           kvcandle.load(quantized=True): the file's blocks, int8 activations,
                           with a float32 cache (new_cache(dtype="float32"))
   ..., f16 cache          the same with model.new_cache(dtype="float16"): keys and values
-                          stored as float16 (llama.cpp's default, and quantized=True's
-                          default cache), half the bytes per step
+                          stored as float16 (llama.cpp's default), half the bytes per step
   ..., q8_0 cache         model.new_cache(dtype="q8_0"): keys and values in blocks of 32
                           int8 values and a float16 scale, 0.27 of float32's bytes
+                          (quantized=True's default cache)
   candle upstream         candle-transformers' Llama + Cache as shipped (float32)
   transformers            eager float32 (torch), a plain loop over past_key_values
   llama.cpp f32 / Q4_1    llama-cpp-python; the f32 GGUF is written by this script from the
