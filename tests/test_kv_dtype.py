@@ -119,3 +119,21 @@ def test_cache_dtypes_a_model_cannot_take(tiny: kvcandle.Model, tiny_dirs: dict[
     assert f16_model.new_cache().dtype == "float16"
     with pytest.raises(kvcandle.DTypeError, match="float32"):
         f16_model.new_cache(dtype="float32")
+
+
+def test_a_prompt_cache_of_8bit_caches_is_exact(wide: kvcandle.Model) -> None:
+    pc = kvcandle.PromptCache(wide, max_bytes=10**8)
+    entry = wide.new_cache(dtype="q8_0")
+    wide.forward(IDS, entry)
+    assert pc.insert(entry)
+    # one block of 64 positions of 8-bit rows, shared by the entry and the cache inserted
+    assert pc.nbytes == kvcandle.held_bytes([entry]) == 64 * entry.bytes_per_token
+    found = pc.lookup(IDS[:7] + [50, 60])
+    assert found.dtype == "q8_0" and found.tokens == IDS[:7]
+    got = wide.forward([50, 60], found, all_logits=True)
+    fresh = wide.new_cache(dtype="q8_0")
+    wide.forward(IDS[:7], fresh)
+    assert np.array_equal(got, wide.forward([50, 60], fresh, all_logits=True))
+    assert np.array_equal(found.layers[1].keys, fresh.layers[1].keys)
+    # the entry is untouched by the lookup's continuation
+    assert entry.tokens == IDS and pc.lookup(IDS).tokens == IDS
