@@ -334,31 +334,25 @@ impl KvCache {
     }
 
     /// Writes the new keys and values (1, kv_heads, n, head_dim) of `layer` at the end
-    /// of the cache. Positions must have been reserved.
-    /// An 8-bit cache rounds float keys and values into its blocks, and takes its own
-    /// blocks' bytes, (1, kv_heads, n, row bytes), as they are (a saved cache loading).
+    /// of the cache, a run of positions per block. Positions must have been reserved. An
+    /// 8-bit cache rounds float keys and values into its blocks, and takes its own blocks'
+    /// bytes, (1, kv_heads, n, row bytes), as they are (a saved cache loading).
     pub(crate) fn write(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         let dtype = self.layout.dtype;
         let n = k.dim(2)?;
-        if dtype == Q8_0 && k.dtype() != Q8_0 {
-            // rounded into the blocks a run of positions at a time
-            let mut done = 0;
-            while done < n {
-                let p = self.len() + done;
-                let m = (BLOCK_LEN - p % BLOCK_LEN).min(n - done);
-                let floats = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.narrow(2, done, m)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
-                self.write_run(layer, p, m, &floats(k)?, &floats(v)?)?;
-                done += m;
-            }
-            return Ok(());
-        }
         let mut done = 0;
         while done < n {
             let p = self.len() + done;
             let (block, at) = (&self.blocks[p / BLOCK_LEN], p % BLOCK_LEN);
             let m = (BLOCK_LEN - at).min(n - done);
-            block.keys[layer].slice_set(&k.narrow(2, done, m)?.contiguous()?.to_dtype(dtype)?, 2, at)?;
-            block.values[layer].slice_set(&v.narrow(2, done, m)?.contiguous()?.to_dtype(dtype)?, 2, at)?;
+            let (k, v) = (k.narrow(2, done, m)?.contiguous()?, v.narrow(2, done, m)?.contiguous()?);
+            if dtype == Q8_0 && k.dtype() != Q8_0 {
+                let floats = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
+                self.write_run(layer, p, m, &floats(&k)?, &floats(&v)?)?;
+            } else {
+                block.keys[layer].slice_set(&k.to_dtype(dtype)?, 2, at)?;
+                block.values[layer].slice_set(&v.to_dtype(dtype)?, 2, at)?;
+            }
             done += m;
         }
         Ok(())
