@@ -842,7 +842,7 @@ fn axpy(y: &mut [f32], w: f32, x: &[f32]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::kernels::kv8::as_blocks;
     use crate::kernels::matvec::Kernel;
@@ -875,7 +875,8 @@ mod tests {
         out
     }
 
-    fn random(n: usize, seed: u64) -> Vec<f32> {
+    /// Numbers in [-1, 1) from a seed (xorshift).
+    pub(crate) fn random(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..n)
             .map(|_| {
