@@ -875,6 +875,20 @@ pub(crate) mod tests {
         out
     }
 
+    /// A prefill's `seq` rows `got` (queries `qs`, (heads, seq, head_dim)), the last `seq`
+    /// of `kv`'s positions, each against float64 attention of that position alone over
+    /// the positions up to it.
+    fn assert_prefill_matches(qs: &[f32], seq: usize, got: &[f32], kv: &LayerKv<'_>, what: &str) {
+        let d = kv.head_dim;
+        let heads = qs.len() / (seq * d);
+        for i in 0..seq {
+            let qi: Vec<f32> = (0..heads).flat_map(|hh| qs[(hh * seq + i) * d..][..d].to_vec()).collect();
+            let want = reference(&qi, &kv.first(kv.len - seq + i + 1));
+            let err = got[i * heads * d..][..heads * d].iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
+            assert!(err < 1e-5, "{what}, position {i}: max error {err}");
+        }
+    }
+
     /// Numbers in [-1, 1) from a seed (xorshift).
     pub(crate) fn random(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -904,14 +918,7 @@ pub(crate) mod tests {
             let kv = LayerKv::contiguous(&keys, &values, kv_heads, capacity, offset + seq, d);
             let got = prefill_attention(&q, seq, &kv);
             assert_eq!(got.len(), seq * heads * d);
-            for i in 0..seq {
-                // position i alone, seeing positions ..= offset + i
-                let qi: Vec<f32> = (0..heads).flat_map(|hh| q[(hh * seq + i) * d..][..d].to_vec()).collect();
-                let want = reference(&qi, &kv.first(offset + i + 1));
-                let row = &got[i * heads * d..][..heads * d];
-                let err = row.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
-                assert!(err < 1e-5, "case {case}, position {i}: max error {err}");
-            }
+            assert_prefill_matches(&q, seq, &got, &kv, &format!("case {case}"));
         }
     }
 
@@ -940,13 +947,7 @@ pub(crate) mod tests {
             // prefill: the last `seq` positions, each over the positions up to its own
             let qs: Vec<f32> = random(heads * seq * d, 320 + case as u64).iter().map(|x| 4.0 * x).collect();
             let got = prefill_attention_widened(&qs, seq, &half);
-            let offset = len - seq;
-            for i in 0..seq {
-                let qi: Vec<f32> = (0..heads).flat_map(|hh| qs[(hh * seq + i) * d..][..d].to_vec()).collect();
-                let want = reference(&qi, &wide.first(offset + i + 1));
-                let err = got[i * heads * d..][..heads * d].iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
-                assert!(err < 1e-5, "prefill case {case}, position {i}: max error {err}");
-            }
+            assert_prefill_matches(&qs, seq, &got, &wide, &format!("prefill case {case}"));
         }
     }
 
@@ -1010,13 +1011,7 @@ pub(crate) mod tests {
                 let qs: Vec<f32> = random(kv_heads * n_rep * seq * d, 400 + case as u64).iter().map(|x| 4.0 * x).collect();
                 let got = prefill_attention_widened(&qs, seq, &kv8);
                 let wide = LayerKv::contiguous(&k8f, &v8f, kv_heads, capacity, len, d);
-                let heads = kv_heads * n_rep;
-                for i in 0..seq {
-                    let qi: Vec<f32> = (0..heads).flat_map(|hh| qs[(hh * seq + i) * d..][..d].to_vec()).collect();
-                    let want = reference(&qi, &wide.first(len - seq + i + 1));
-                    let err = got[i * heads * d..][..heads * d].iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
-                    assert!(err < 1e-5, "8-bit prefill case {case}, position {i}: max error {err}");
-                }
+                assert_prefill_matches(&qs, seq, &got, &wide, &format!("8-bit prefill case {case}"));
             }
         }
     }
@@ -1087,13 +1082,7 @@ pub(crate) mod tests {
                 let got = prefill_attention(&qs, seq, &kv);
                 let got16 = prefill_attention_widened(&qs, seq, &kv16);
                 assert_eq!(got16, prefill_attention_widened(&qs, seq, &whole16), "case {case}: float16 prefill widens the same numbers");
-                let heads = kv_heads * n_rep;
-                for i in 0..seq {
-                    let qi: Vec<f32> = (0..heads).flat_map(|hh| qs[(hh * seq + i) * d..][..d].to_vec()).collect();
-                    let want = reference(&qi, &whole.first(len - seq + i + 1));
-                    let err = got[i * heads * d..][..heads * d].iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
-                    assert!(err < 1e-5, "prefill case {case}, blocks of {block_len}, position {i}: max error {err}");
-                }
+                assert_prefill_matches(&qs, seq, &got, &whole, &format!("prefill case {case}, blocks of {block_len}"));
             }
         }
     }
