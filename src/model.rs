@@ -230,7 +230,7 @@ impl Llama {
     /// kept 16-bit matrices, keep parity with float64).
     pub fn default_cache_dtype(&self) -> DType {
         if self.decode && self.layers.iter().any(|l| l.attn.qkv.int8_activations() || l.mlp.gate_up.int8_activations()) {
-            if self.config.head_dim.is_multiple_of(crate::kernels::kv8::QK) {
+            if self.takes_eight_bit_cache() {
                 crate::cache::Q8_0
             } else {
                 DType::F16
@@ -250,7 +250,7 @@ impl Llama {
     /// 8-bit blocks of [`crate::cache::Q8_0`] (0.27 of them; head sizes that are whole
     /// blocks of 32). Attention still computes in float32, from the stored keys and values.
     pub fn new_cache_with(&self, dtype: DType) -> Result<KvCache> {
-        let eight_bit = self.config.head_dim.is_multiple_of(crate::kernels::kv8::QK);
+        let eight_bit = self.takes_eight_bit_cache();
         if dtype == self.dtype || (self.decode && (dtype == DType::F16 || (dtype == crate::cache::Q8_0 && eight_bit))) {
             return Ok(self.cache_of(dtype));
         }
@@ -266,6 +266,11 @@ impl Llama {
             if self.device.is_cpu() { "cpu" } else { "this device" },
             crate::device::dtype_name(self.dtype),
         )))
+    }
+
+    /// Whether a head's keys and values are whole blocks of the 8-bit cache.
+    fn takes_eight_bit_cache(&self) -> bool {
+        self.config.head_dim.is_multiple_of(crate::kernels::kv8::QK)
     }
 
     fn cache_of(&self, dtype: DType) -> KvCache {
