@@ -6,7 +6,11 @@
 //! and exponential sum and the weighted sum of the values: each key and value is read
 //! once per step. The chunks of a head are then merged exactly as an online softmax does
 //! (rescaled by the difference of their maxima), so tasks spread over every thread even
-//! when a model has fewer KV heads than the machine has cores.
+//! when a model has fewer KV heads than the machine has cores. Several rows at once
+//! (sequences of a batch, tokens of a chunk) share each task: it goes through its chunk
+//! block by block, every row scoring a block (and later adding its values) before the
+//! next, so a block that forks of one prompt all read comes from memory once per step
+//! and is read from the first-level cache by the other rows.
 //!
 //! The portable task's dot products and value accumulation are written with eight
 //! independent lanes, which the compiler turns into SIMD (x86 builds carry an AVX2+FMA
@@ -196,7 +200,9 @@ pub fn decode_attention_rows<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>]) 
     attend_rows_with(qs, kvs, chunk::<T>)
 }
 
-type ChunkFn<T> = fn(&[f32], &LayerKv<'_, T>, usize, std::ops::Range<usize>) -> Vec<Partial>;
+/// A task over a group of rows for one KV head: each row's query heads of that KV head,
+/// its cache and its positions in the task's chunk (empty: none, and no partials).
+type ChunkFn<T> = fn(&[&[f32]], &[&LayerKv<'_, T>], usize, &[std::ops::Range<usize>]) -> Vec<Vec<Partial>>;
 
 /// [`decode_attention`] with a given chunk kernel (each instruction-set version is tested).
 fn attend_with<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, chunk: ChunkFn<T>) -> Vec<f32> {
@@ -221,17 +227,12 @@ fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: Ch
     let tasks: Vec<OnceLock<Vec<Vec<Partial>>>> = (0..groups * kv_heads * chunks).map(|_| OnceLock::new()).collect();
     team.run(tasks.len(), &|t| {
         let (g, h, c) = (t / (kv_heads * chunks), t / chunks % kv_heads, t % chunks);
-        let parts = (g * per_group..((g + 1) * per_group).min(rows))
-            .map(|r| {
-                let len = kvs[r].len;
-                if c < chunks_of(r) {
-                    chunk(&qs[r][h * n_rep * d..(h + 1) * n_rep * d], kvs[r], h, c * CHUNK..((c + 1) * CHUNK).min(len))
-                } else {
-                    Vec::new()
-                }
-            })
-            .collect();
-        let _ = tasks[t].set(parts);
+        let group = g * per_group..((g + 1) * per_group).min(rows);
+        let q: Vec<&[f32]> = group.clone().map(|r| &qs[r][h * n_rep * d..(h + 1) * n_rep * d]).collect();
+        let spans: Vec<std::ops::Range<usize>> =
+            group.clone().map(|r| if c < chunks_of(r) { c * CHUNK..((c + 1) * CHUNK).min(kvs[r].len) } else { 0..0 }).collect();
+        // (a last group may be empty: rows are split into groups of per_group)
+        let _ = tasks[t].set(if group.is_empty() { Vec::new() } else { chunk(&q, &kvs[group], h, &spans) });
     });
     let tasks: Vec<Vec<Vec<Partial>>> = tasks.into_iter().map(|t| t.into_inner().expect("every task ran")).collect();
     (0..rows)
@@ -259,16 +260,17 @@ fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: Ch
         .collect()
 }
 
-/// One (KV head, chunk of positions) task, on the best instruction set the CPU has.
-fn chunk<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
+/// One (KV head, chunk of positions) task for a group of rows, on the best instruction set
+/// the CPU has.
+fn chunk<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Vec<Vec<Partial>> {
     match kernel() {
         // SAFETY: the CPU has AVX-512F (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        crate::kernels::matvec::Kernel::Avx512 => unsafe { chunk_avx512(q, kv, h, positions) },
+        crate::kernels::matvec::Kernel::Avx512 => unsafe { chunk_avx512(qs, kvs, h, spans) },
         // SAFETY: the CPU has AVX2 and FMA (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        crate::kernels::matvec::Kernel::Avx2 => unsafe { chunk_avx2(q, kv, h, positions) },
-        _ => chunk_portable(q, kv, h, positions),
+        crate::kernels::matvec::Kernel::Avx2 => unsafe { chunk_avx2(qs, kvs, h, spans) },
+        _ => chunk_portable(qs, kvs, h, spans),
     }
 }
 
@@ -286,73 +288,171 @@ thread_local! {
     static DECODE: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// The AVX-512 task for head sizes that are a multiple of 64, over blocks of 16 positions
-/// (a float16 block widened once into a buffer in the core's cache). Scores: for each
-/// query head, the 16 keys' products with it stay in 16 registers, and one transposing
-/// reduction (45 instructions) turns them into one register of 16 scores, where a
-/// horizontal sum per score would take about 8 each. Values: groups of up to 4 query
-/// heads keep 4 × 64 dimensions of accumulators in registers over a block.
+/// What an instruction-set version of the decode task supplies to [`rows_task`]: its
+/// block of positions (one register of scores) and its two loops over a block.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::needless_range_loop)] // register arrays indexed by query head and block
-unsafe fn chunk_avx512<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
-    use std::arch::x86_64::*;
-    let d = kv.head_dim;
-    if !d.is_multiple_of(64) {
-        return chunk_portable(q, kv, h, positions);
+trait Lanes {
+    /// Positions per block: one register's worth of scores.
+    const LANES: usize;
+    /// Blocks ahead whose keys are prefetched.
+    const AHEAD: usize;
+    /// The head sizes it takes are multiples of this (others take the portable task).
+    const DIMS: usize;
+    /// Each query head `r` of `q` (query heads × d) against the block's `m` keys (`k`:
+    /// `LANES` rows of d, zero past m): the scaled scores into `out[r * stride..][..m]`.
+    unsafe fn score(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize);
+    /// Adds the block's weighted values (`v`: its `m` rows of d) to each query head's
+    /// accumulator (`parts[r]`, weights in `scores` row r of `n`, the block from `i0`).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate(parts: &mut [Partial], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize);
+}
+
+/// The AVX-512 task: blocks of 16 positions; head sizes that are a multiple of 64.
+/// Scores: for each query head, the 16 keys' products with it stay in 16 registers, and
+/// one transposing reduction (45 instructions) turns them into one register of 16
+/// scores, where a horizontal sum per score would take about 8 each. Values: groups of
+/// up to 4 query heads keep 4 × 64 dimensions of accumulators in registers over a block.
+#[cfg(target_arch = "x86_64")]
+struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Avx512 {
+    const LANES: usize = LANES;
+    const AHEAD: usize = PF_K;
+    const DIMS: usize = 64;
+    #[inline(always)]
+    unsafe fn score(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+        score16(q, k, d, m, out, stride)
     }
-    let n_rep = q.len() / d;
-    let n = positions.len();
-    let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
-    let start = positions.start;
-    // rows i0.. i0 + LANES of the chunk (in one block: blocks are whole groups of LANES)
-    let group = |i0: usize| kv.run(h, start + i0..start + (i0 + LANES).min(n));
-    DECODE.with(|buffers| {
-        let (scores, block) = &mut *buffers.borrow_mut();
-        scores.clear();
-        scores.resize(n_rep * n, 0.0);
-        block.resize(LANES * d, 0.0);
-        let rows = |src: &[T], i0: usize, block: &mut Vec<f32>| block_rows(src, LANES.min(n - i0), LANES, d, block);
-        for i0 in (0..n).step_by(LANES) {
-            let (keys, values) = group(i0);
-            let k = rows(keys, i0, block);
-            let m = LANES.min(n - i0);
-            let ahead = i0 + PF_K * LANES;
-            prefetch_block((ahead < n).then(|| group(ahead).0), values);
-            for r in 0..n_rep {
-                let qr = q.as_ptr().add(r * d);
-                let mut acc = [_mm512_setzero_ps(); LANES];
-                for c in (0..d).step_by(16) {
-                    let qc = _mm512_loadu_ps(qr.add(c));
-                    for j in 0..LANES {
-                        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(k.add(j * d + c)), qc, acc[j]);
-                    }
-                }
-                let s = _mm512_mul_ps(reduce16(&acc), scale);
-                let out = scores.as_mut_ptr().add(r * n + i0);
-                if m == LANES {
-                    _mm512_storeu_ps(out, s);
-                } else {
-                    _mm512_mask_storeu_ps(out, ((1u32 << m) - 1) as u16, s);
-                }
+    #[inline(always)]
+    unsafe fn accumulate(parts: &mut [Partial], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+        for r0 in (0..parts.len()).step_by(4) {
+            match parts.len() - r0 {
+                1 => accumulate::<1>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                2 => accumulate::<2>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                3 => accumulate::<3>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                _ => accumulate::<4>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
             }
         }
-        let mut parts = exponentiate(scores, n, d);
-        for i0 in (0..n).step_by(LANES) {
-            let v = rows(group(i0).1, i0, block);
-            // positions past n have zero rows (and their scores are never read)
-            let m = LANES.min(n - i0);
-            for r0 in (0..n_rep).step_by(4) {
-                match n_rep - r0 {
-                    1 => accumulate::<1>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
-                    2 => accumulate::<2>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
-                    3 => accumulate::<3>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
-                    _ => accumulate::<4>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+    }
+}
+
+/// [`Avx512`]'s scores of one block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by block row
+unsafe fn score16(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+    use std::arch::x86_64::*;
+    let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
+    for r in 0..q.len() / d {
+        let qr = q.as_ptr().add(r * d);
+        let mut acc = [_mm512_setzero_ps(); LANES];
+        for c in (0..d).step_by(16) {
+            let qc = _mm512_loadu_ps(qr.add(c));
+            for j in 0..LANES {
+                acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(k.add(j * d + c)), qc, acc[j]);
+            }
+        }
+        let s = _mm512_mul_ps(reduce16(&acc), scale);
+        let o = out.add(r * stride);
+        if m == LANES {
+            _mm512_storeu_ps(o, s);
+        } else {
+            _mm512_mask_storeu_ps(o, ((1u32 << m) - 1) as u16, s);
+        }
+    }
+}
+
+/// [`rows_task`] with AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn chunk_avx512<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Vec<Vec<Partial>> {
+    rows_task::<Avx512, T>(qs, kvs, h, spans)
+}
+
+/// One (KV head, chunk) task for a group of rows, block by block of `L::LANES` positions:
+/// every row with positions in a block scores it, then (after each row's exponentials)
+/// every row adds the block's weighted values, so a block that several rows read (forks
+/// of one prompt, the tokens of one chunk) is loaded, widened and prefetched once and
+/// read from the first-level cache after that. Each row's arithmetic is exactly what it
+/// is alone (the same blocks in the same order).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Vec<Vec<Partial>> {
+    let d = kvs[0].head_dim;
+    if !d.is_multiple_of(L::DIMS) {
+        return chunk_portable(qs, kvs, h, spans);
+    }
+    let lanes = L::LANES;
+    let n_rep = qs[0].len() / d;
+    // row r's scores: n_rep rows of its span's length, from offsets[r]
+    let offsets: Vec<usize> = spans
+        .iter()
+        .scan(0, |at, s| {
+            let o = *at;
+            *at += n_rep * s.len();
+            Some(o)
+        })
+        .collect();
+    let total = offsets.last().map_or(0, |o| o + n_rep * spans[spans.len() - 1].len());
+    let longest = spans.iter().map(|s| s.len()).max().unwrap_or(0);
+    // row r's keys and values at positions i0.. of its span (one block: blocks are whole
+    // groups of lanes)
+    let group = |r: usize, i0: usize| {
+        let s = &spans[r];
+        kvs[r].run(h, s.start + i0..s.start + (i0 + lanes).min(s.len()))
+    };
+    // the thread's buffers taken out and put back, not borrowed in a closure: a closure
+    // would be compiled without the caller's instruction set
+    let (mut scores_buffer, mut block_buffer) = DECODE.take();
+    let parts = {
+        let (scores, block) = (&mut scores_buffer, &mut block_buffer);
+        scores.clear();
+        scores.resize(total, 0.0);
+        block.resize(lanes * d, 0.0);
+        let mut ahead = Ahead::default();
+        for i0 in (0..longest).step_by(lanes) {
+            // the block whose rows `k` points at: (first stored element, rows)
+            let (mut held, mut k) = (None, std::ptr::null());
+            let mut rows_left = spans.iter().filter(|s| i0 < s.len()).count();
+            for (r, s) in spans.iter().enumerate().filter(|(_, s)| i0 < s.len()) {
+                let (n, m) = (s.len(), lanes.min(s.len() - i0));
+                let (keys, values) = group(r, i0);
+                if held != Some((keys.as_ptr(), m)) {
+                    k = block_rows(keys, m, lanes, d, block);
+                    let later = i0 + L::AHEAD * lanes;
+                    if later < n {
+                        ahead.queue(group(r, later).0, true);
+                    }
+                    ahead.queue(values, false);
+                    held = Some((keys.as_ptr(), m));
                 }
+                ahead.issue(rows_left);
+                rows_left -= 1;
+                L::score(qs[r], k, d, m, scores.as_mut_ptr().add(offsets[r] + i0), n);
+            }
+        }
+        let mut parts: Vec<Vec<Partial>> = Vec::with_capacity(spans.len());
+        for (s, &o) in spans.iter().zip(&offsets) {
+            parts.push(if s.is_empty() { Vec::new() } else { exponentiate(&mut scores[o..o + n_rep * s.len()], s.len(), d) });
+        }
+        for i0 in (0..longest).step_by(lanes) {
+            let (mut held, mut v) = (None, std::ptr::null());
+            for (r, s) in spans.iter().enumerate().filter(|(_, s)| i0 < s.len()) {
+                let m = lanes.min(s.len() - i0);
+                let values = group(r, i0).1;
+                if held != Some((values.as_ptr(), m)) {
+                    // positions past m have zero rows (and their scores are never read)
+                    v = block_rows(values, m, lanes, d, block);
+                    held = Some((values.as_ptr(), m));
+                }
+                L::accumulate(&mut parts[r], &scores[offsets[r]..], s.len(), i0, m, v, d);
             }
         }
         parts
-    })
+    };
+    DECODE.set((scores_buffer, block_buffer));
+    parts
 }
 
 /// `m` rows of a block of `lanes` positions as float32: in place when the block is whole
@@ -373,21 +473,60 @@ fn block_rows<T: Stored>(src: &[T], m: usize, lanes: usize, d: usize, block: &mu
     }
 }
 
-/// Asks for a later block's keys (to the first-level cache) and this block's values (to
-/// the second level) while this block's keys are scored.
+/// The cache lines a block of the decode task asks for ahead: a later block's keys (to
+/// the first-level cache) and this block's values (to the second level), while this
+/// block's keys are scored. They are issued a share at a time, one share before each row
+/// that scores the block, so that with many rows on one block the requests go out while
+/// the rows compute instead of as one burst the line-fill buffers cannot take (one row:
+/// every line at once).
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch_block<T>(next_keys: Option<&[T]>, values: &[T]) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
-    // SAFETY: prefetching never faults; every address is inside the slices
-    unsafe {
-        if let Some(kp) = next_keys {
-            for off in (0..std::mem::size_of_val(kp)).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>((kp.as_ptr() as *const i8).add(off));
-            }
+#[derive(Default)]
+struct Ahead {
+    /// (first byte, bytes, to the first level) of each range still to ask for
+    ranges: Vec<(*const u8, usize, bool)>,
+    /// lines of `ranges` not yet asked for
+    lines: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Ahead {
+    /// Queues `range` (to the first-level cache with `t0`, else to the second).
+    fn queue<T>(&mut self, range: &[T], t0: bool) {
+        let bytes = std::mem::size_of_val(range);
+        if bytes > 0 {
+            self.ranges.push((range.as_ptr() as *const u8, bytes, t0));
+            self.lines += bytes.div_ceil(64);
         }
-        for off in (0..std::mem::size_of_val(values)).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T1>((values.as_ptr() as *const i8).add(off));
+    }
+
+    /// Asks for a `1 / rows_left` share of the queued lines (all of them when one row is
+    /// left).
+    #[inline(always)]
+    fn issue(&mut self, rows_left: usize) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        let mut budget = self.lines.div_ceil(rows_left.max(1));
+        self.lines -= budget.min(self.lines);
+        while budget > 0 {
+            let Some(&mut (ref mut ptr, ref mut bytes, t0)) = self.ranges.last_mut() else { break };
+            let n = bytes.div_ceil(64).min(budget);
+            // SAFETY: prefetching never faults; every address is inside a queued slice
+            unsafe {
+                for i in 0..n {
+                    if t0 {
+                        _mm_prefetch::<_MM_HINT_T0>((*ptr as *const i8).add(64 * i));
+                    } else {
+                        _mm_prefetch::<_MM_HINT_T1>((*ptr as *const i8).add(64 * i));
+                    }
+                }
+            }
+            budget -= n;
+            if n * 64 >= *bytes {
+                self.ranges.pop();
+            } else {
+                // SAFETY: still inside the slice (n * 64 < bytes)
+                *ptr = unsafe { ptr.add(64 * n) };
+                *bytes -= 64 * n;
+            }
         }
     }
 }
@@ -451,70 +590,68 @@ unsafe fn reduce16(x: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__
 #[cfg(target_arch = "x86_64")]
 const LANES8: usize = 8;
 
-/// [`chunk_avx512`] with AVX2's sixteen registers, for head sizes that are a multiple of
-/// 32: blocks of 8 positions, the 8 keys' products with a query head in 8 registers
-/// turned into one register of 8 scores by three horizontal adds and a lane swap; values
-/// accumulated for up to 3 query heads × 32 dimensions in registers over a block.
+/// The AVX2 task, [`Avx512`] with AVX2's sixteen registers, for head sizes that are a
+/// multiple of 32: blocks of 8 positions, the 8 keys' products with a query head in 8
+/// registers turned into one register of 8 scores by three horizontal adds and a lane
+/// swap; values accumulated for up to 3 query heads × 32 dimensions in registers over a
+/// block.
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Avx2 {
+    const LANES: usize = LANES8;
+    const AHEAD: usize = 2;
+    const DIMS: usize = 32;
+    #[inline(always)]
+    unsafe fn score(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+        score8(q, k, d, m, out, stride)
+    }
+    #[inline(always)]
+    unsafe fn accumulate(parts: &mut [Partial], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+        for r0 in (0..parts.len()).step_by(3) {
+            match parts.len() - r0 {
+                1 => accumulate8::<1>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                2 => accumulate8::<2>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+                _ => accumulate8::<3>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+            }
+        }
+    }
+}
+
+/// [`Avx2`]'s scores of one block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::needless_range_loop)] // register arrays indexed by query head and block
-unsafe fn chunk_avx2<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
+#[allow(clippy::needless_range_loop)] // register arrays indexed by block row
+unsafe fn score8(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
     use std::arch::x86_64::*;
-    let d = kv.head_dim;
-    if !d.is_multiple_of(32) {
-        return chunk_portable(q, kv, h, positions);
-    }
-    let n_rep = q.len() / d;
-    let n = positions.len();
     let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
-    let start = positions.start;
-    let group = |i0: usize| kv.run(h, start + i0..start + (i0 + LANES8).min(n));
-    DECODE.with(|buffers| {
-        let (scores, block) = &mut *buffers.borrow_mut();
-        scores.clear();
-        scores.resize(n_rep * n, 0.0);
-        block.resize(LANES8 * d, 0.0);
-        let rows = |src: &[T], i0: usize, block: &mut Vec<f32>| block_rows(src, LANES8.min(n - i0), LANES8, d, block);
-        for i0 in (0..n).step_by(LANES8) {
-            let (keys, values) = group(i0);
-            let k = rows(keys, i0, block);
-            let m = LANES8.min(n - i0);
-            let ahead = i0 + 2 * LANES8;
-            prefetch_block((ahead < n).then(|| group(ahead).0), values);
-            for r in 0..n_rep {
-                let qr = q.as_ptr().add(r * d);
-                let mut acc = [_mm256_setzero_ps(); LANES8];
-                for c in (0..d).step_by(8) {
-                    let qc = _mm256_loadu_ps(qr.add(c));
-                    for j in 0..LANES8 {
-                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(k.add(j * d + c)), qc, acc[j]);
-                    }
-                }
-                let s = _mm256_mul_ps(reduce8(&acc), scale);
-                let out = scores.as_mut_ptr().add(r * n + i0);
-                if m == LANES8 {
-                    _mm256_storeu_ps(out, s);
-                } else {
-                    let mut lanes = [0f32; LANES8];
-                    _mm256_storeu_ps(lanes.as_mut_ptr(), s);
-                    std::ptr::copy_nonoverlapping(lanes.as_ptr(), out, m);
-                }
+    for r in 0..q.len() / d {
+        let qr = q.as_ptr().add(r * d);
+        let mut acc = [_mm256_setzero_ps(); LANES8];
+        for c in (0..d).step_by(8) {
+            let qc = _mm256_loadu_ps(qr.add(c));
+            for j in 0..LANES8 {
+                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(k.add(j * d + c)), qc, acc[j]);
             }
         }
-        let mut parts = exponentiate(scores, n, d);
-        for i0 in (0..n).step_by(LANES8) {
-            let v = rows(group(i0).1, i0, block);
-            let m = LANES8.min(n - i0);
-            for r0 in (0..n_rep).step_by(3) {
-                match n_rep - r0 {
-                    1 => accumulate8::<1>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
-                    2 => accumulate8::<2>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
-                    _ => accumulate8::<3>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
-                }
-            }
+        let s = _mm256_mul_ps(reduce8(&acc), scale);
+        let o = out.add(r * stride);
+        if m == LANES8 {
+            _mm256_storeu_ps(o, s);
+        } else {
+            let mut lanes = [0f32; LANES8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), s);
+            std::ptr::copy_nonoverlapping(lanes.as_ptr(), o, m);
         }
-        parts
-    })
+    }
+}
+
+/// [`rows_task`] with AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn chunk_avx2<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Vec<Vec<Partial>> {
+    rows_task::<Avx2, T>(qs, kvs, h, spans)
 }
 
 /// [`accumulate`] with AVX2 registers: `G` query heads × 32 dimensions at a time.
@@ -566,10 +703,21 @@ unsafe fn reduce8(x: &[std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m2
     _mm256_add_ps(lo, hi)
 }
 
-/// The task itself; inlined into each instruction-set version. A float16 chunk is widened
-/// into a buffer of the thread first.
+/// The portable task: row by row (inlined into each instruction-set version, which takes
+/// it for head sizes its blocks do not fit).
 #[inline(always)]
-fn chunk_portable<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
+fn chunk_portable<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Vec<Vec<Partial>> {
+    let mut parts = Vec::with_capacity(spans.len());
+    for ((q, kv), s) in qs.iter().zip(kvs).zip(spans) {
+        parts.push(if s.is_empty() { Vec::new() } else { portable_row(q, kv, h, s.clone()) });
+    }
+    parts
+}
+
+/// One row of the portable task. A float16 or 8-bit chunk is widened into a buffer of the
+/// thread first.
+#[inline(always)]
+fn portable_row<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
     let d = kv.head_dim;
     let n = positions.len();
     let runs: Vec<(&[T], &[T])> = kv.runs(h, positions).collect();
@@ -1062,9 +1210,9 @@ pub(crate) mod tests {
                 for k in Kernel::available() {
                     let run = |kv: &LayerKv<'_>| match k {
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::Avx512 => attend_with(&q, kv, |q, kv, h, p| unsafe { chunk_avx512(q, kv, h, p) }),
+                        Kernel::Avx512 => attend_with(&q, kv, |q, kv, h, s| unsafe { chunk_avx512(q, kv, h, s) }),
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::Avx2 => attend_with(&q, kv, |q, kv, h, p| unsafe { chunk_avx2(q, kv, h, p) }),
+                        Kernel::Avx2 => attend_with(&q, kv, |q, kv, h, s| unsafe { chunk_avx2(q, kv, h, s) }),
                         _ => attend_with(&q, kv, chunk_portable),
                     };
                     assert_eq!(run(&kv), run(&whole), "case {case}, blocks of {block_len}, {k:?}");
@@ -1091,37 +1239,51 @@ pub(crate) mod tests {
     fn rows_together_equal_each_row_alone() {
         // rows over one set of blocks with different lengths (a chunk's tokens, forks of
         // one prompt) and over other blocks, many rows and few: each row bit for bit what
-        // it gives alone, on every path
+        // it gives alone, on every path, for each storage type (a shared block is widened
+        // once for the rows that read it)
         let (kv_heads, n_rep, d, block_len) = (3, 3, 64, 64);
         let len = 2 * CHUNK + 37;
         let keys = random(kv_heads * len * d, 7);
         let values = random(kv_heads * len * d, 8);
         let other_keys = random(kv_heads * 40 * d, 9);
         let other_values = random(kv_heads * 40 * d, 10);
-        let (kb, vb) = (blocks_of(&keys, kv_heads, len, d, block_len), blocks_of(&values, kv_heads, len, d, block_len));
-        let (ob, ovb) = (blocks_of(&other_keys, kv_heads, 40, d, block_len), blocks_of(&other_values, kv_heads, 40, d, block_len));
-        let shared = |n: usize| LayerKv { blocks: kb.iter().zip(&vb).map(|(k, v)| (&k[..], &v[..])).take(n.div_ceil(block_len)).collect(), block_len, kv_heads, len: n, head_dim: d };
-        let other = LayerKv { blocks: ob.iter().zip(&ovb).map(|(k, v)| (&k[..], &v[..])).collect(), block_len, kv_heads, len: 40, head_dim: d };
-        let mut kvs: Vec<LayerKv<'_>> = [1, len - 7, len, CHUNK, CHUNK + 1, 300, len - 1, 65, 2].iter().map(|&n| shared(n)).collect();
-        kvs.insert(3, other);
-        let qs: Vec<Vec<f32>> = (0..kvs.len()).map(|r| random(kv_heads * n_rep * d, 20 + r as u64)).collect();
-        for k in Kernel::available() {
-            let f: ChunkFn<f32> = match k {
-                #[cfg(target_arch = "x86_64")]
-                Kernel::Avx512 => |q, kv, h, p| unsafe { chunk_avx512(q, kv, h, p) },
-                #[cfg(target_arch = "x86_64")]
-                Kernel::Avx2 => |q, kv, h, p| unsafe { chunk_avx2(q, kv, h, p) },
-                _ => chunk_portable,
-            };
-            for rows in [1, 2, 4, kvs.len()] {
-                let q_refs: Vec<&[f32]> = qs[..rows].iter().map(|q| &q[..]).collect();
-                let kv_refs: Vec<&LayerKv<'_>> = kvs[..rows].iter().collect();
-                let together = attend_rows_with(&q_refs, &kv_refs, f);
-                for r in 0..rows {
-                    assert_eq!(together[r], attend_with(&qs[r], &kvs[r], f), "{k:?}, {rows} rows, row {r}");
+        let lens = [1, len - 7, len, CHUNK, CHUNK + 1, 300, len - 1, 65, 2];
+        let qs: Vec<Vec<f32>> = (0..lens.len() + 1).map(|r| random(kv_heads * n_rep * d, 20 + r as u64)).collect();
+        // rows of one storage type: `shared` and `other` as that type's (blocks, row length)
+        fn layer<'a, T: Stored>(k: &'a [Vec<T>], v: &'a [Vec<T>], n: usize) -> LayerKv<'a, T> {
+            let (kv_heads, d, block_len) = (3, 64, 64);
+            LayerKv { blocks: k.iter().zip(v).map(|(k, v)| (&k[..], &v[..])).take(n.div_ceil(block_len)).collect(), block_len, kv_heads, len: n, head_dim: d }
+        }
+        fn check<T: Stored>(shared: &[Vec<T>], shared_v: &[Vec<T>], other: &[Vec<T>], other_v: &[Vec<T>], lens: &[usize], qs: &[Vec<f32>], what: &str) {
+            let mut kvs: Vec<LayerKv<'_, T>> = lens.iter().map(|&n| layer(shared, shared_v, n)).collect();
+            kvs.insert(3, layer(other, other_v, 40));
+            for k in Kernel::available() {
+                let f: ChunkFn<T> = match k {
+                    #[cfg(target_arch = "x86_64")]
+                    Kernel::Avx512 => |q, kv, h, s| unsafe { chunk_avx512(q, kv, h, s) },
+                    #[cfg(target_arch = "x86_64")]
+                    Kernel::Avx2 => |q, kv, h, s| unsafe { chunk_avx2(q, kv, h, s) },
+                    _ => chunk_portable,
+                };
+                for rows in [1, 2, 4, kvs.len()] {
+                    let q_refs: Vec<&[f32]> = qs[..rows].iter().map(|q| &q[..]).collect();
+                    let kv_refs: Vec<&LayerKv<'_, T>> = kvs[..rows].iter().collect();
+                    let together = attend_rows_with(&q_refs, &kv_refs, f);
+                    for r in 0..rows {
+                        assert_eq!(together[r], attend_with(&qs[r], &kvs[r], f), "{what}, {k:?}, {rows} rows, row {r}");
+                    }
                 }
             }
         }
+        let blocks = |x: &[f32], n: usize| blocks_of(x, kv_heads, n, d, block_len);
+        check(&blocks(&keys, len), &blocks(&values, len), &blocks(&other_keys, 40), &blocks(&other_values, 40), &lens, &qs, "float32");
+        let half = |x: &[f32], n: usize| blocks_of(&rounded(x).0, kv_heads, n, d, block_len);
+        check(&half(&keys, len), &half(&values, len), &half(&other_keys, 40), &half(&other_values, 40), &lens, &qs, "float16");
+        let row = crate::kernels::kv8::row_bytes(d);
+        let eight = |x: &[f32], n: usize| -> Vec<Vec<crate::kernels::kv8::Q8Block>> {
+            blocks_of(&eight_bit(x).0, kv_heads, n, row, block_len).iter().map(|b| as_blocks(b).to_vec()).collect()
+        };
+        check(&eight(&keys, len), &eight(&values, len), &eight(&other_keys, 40), &eight(&other_values, 40), &lens, &qs, "8-bit");
     }
 
     fn rounded(v: &[f32]) -> (Vec<f16>, Vec<f32>) {
@@ -1137,9 +1299,9 @@ pub(crate) mod tests {
             .map(|k| {
                 let got = match k {
                     #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx512 => attend_with(q, kv, |q, kv, h, p| unsafe { chunk_avx512(q, kv, h, p) }),
+                    Kernel::Avx512 => attend_with(q, kv, |q, kv, h, s| unsafe { chunk_avx512(q, kv, h, s) }),
                     #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx2 => attend_with(q, kv, |q, kv, h, p| unsafe { chunk_avx2(q, kv, h, p) }),
+                    Kernel::Avx2 => attend_with(q, kv, |q, kv, h, s| unsafe { chunk_avx2(q, kv, h, s) }),
                     _ => attend_with(q, kv, chunk_portable),
                 };
                 (k, got)
