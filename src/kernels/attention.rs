@@ -177,12 +177,22 @@ impl Stored for f16 {
     }
 }
 
-/// What one task found for one query head over its chunk of positions.
-struct Partial {
-    max: f32,
-    sum: f32,
-    /// Σ exp(score - max) · value
+/// What one task found for its rows' query heads over its chunk of positions, in three
+/// buffers (not one allocation per head): entry `i = r * n_rep + rep` is the task's row
+/// r's query head rep (of the task's KV head), with `max[i]`, `sum[i]` and
+/// `acc[i * d..][..d]` = Σ exp(score - max) · value. A row with no positions in the chunk
+/// has entries that are never read.
+struct Partials {
+    max: Vec<f32>,
+    sum: Vec<f32>,
     acc: Vec<f32>,
+}
+
+impl Partials {
+    /// `heads` entries of `d` values, zero.
+    fn new(heads: usize, d: usize) -> Self {
+        Self { max: vec![0.0; heads], sum: vec![0.0; heads], acc: vec![0.0; heads * d] }
+    }
 }
 
 /// `q`: the query heads of the new position, (heads, head_dim), after RoPE; the query
@@ -201,8 +211,8 @@ pub fn decode_attention_rows<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>]) 
 }
 
 /// A task over a group of rows for one KV head: each row's query heads of that KV head,
-/// its cache and its positions in the task's chunk (empty: none, and no partials).
-type ChunkFn<T> = fn(&[&[f32]], &[&LayerKv<'_, T>], usize, &[std::ops::Range<usize>]) -> Vec<Vec<Partial>>;
+/// its cache and its positions in the task's chunk (empty: none).
+type ChunkFn<T> = fn(&[&[f32]], &[&LayerKv<'_, T>], usize, &[std::ops::Range<usize>]) -> Partials;
 
 /// [`decode_attention`] with a given chunk kernel (each instruction-set version is tested).
 fn attend_with<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, chunk: ChunkFn<T>) -> Vec<f32> {
@@ -224,7 +234,7 @@ fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: Ch
     let team = Team::global();
     let groups = (TASKS_PER_THREAD * team.threads()).div_ceil(kv_heads * chunks).clamp(1, rows.max(1));
     let per_group = rows.div_ceil(groups);
-    let tasks: Vec<OnceLock<Vec<Vec<Partial>>>> = (0..groups * kv_heads * chunks).map(|_| OnceLock::new()).collect();
+    let tasks: Vec<OnceLock<Partials>> = (0..groups * kv_heads * chunks).map(|_| OnceLock::new()).collect();
     team.run(tasks.len(), &|t| {
         let (g, h, c) = (t / (kv_heads * chunks), t / chunks % kv_heads, t % chunks);
         let group = g * per_group..((g + 1) * per_group).min(rows);
@@ -232,23 +242,24 @@ fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: Ch
         let spans: Vec<std::ops::Range<usize>> =
             group.clone().map(|r| if c < chunks_of(r) { c * CHUNK..((c + 1) * CHUNK).min(kvs[r].len) } else { 0..0 }).collect();
         // (a last group may be empty: rows are split into groups of per_group)
-        let _ = tasks[t].set(if group.is_empty() { Vec::new() } else { chunk(&q, &kvs[group], h, &spans) });
+        let _ = tasks[t].set(if group.is_empty() { Partials::new(0, d) } else { chunk(&q, &kvs[group], h, &spans) });
     });
-    let tasks: Vec<Vec<Vec<Partial>>> = tasks.into_iter().map(|t| t.into_inner().expect("every task ran")).collect();
+    let tasks: Vec<Partials> = tasks.into_iter().map(|t| t.into_inner().expect("every task ran")).collect();
     (0..rows)
         .map(|r| {
             let (g, i) = (r / per_group, r % per_group);
             let mut out = vec![0.0f32; heads * d];
             for h in 0..kv_heads {
                 for rep in 0..n_rep {
-                    let parts = (0..chunks_of(r)).map(|c| &tasks[(g * kv_heads + h) * chunks + c][i][rep]);
-                    let max = parts.clone().fold(f32::NEG_INFINITY, |m, p| m.max(p.max));
+                    let e = i * n_rep + rep;
+                    let parts = (0..chunks_of(r)).map(|c| &tasks[(g * kv_heads + h) * chunks + c]);
+                    let max = parts.clone().fold(f32::NEG_INFINITY, |m, p| m.max(p.max[e]));
                     let y = &mut out[(h * n_rep + rep) * d..][..d];
                     let mut sum = 0.0f32;
                     for p in parts {
-                        let w = (p.max - max).exp();
-                        sum += p.sum * w;
-                        for (o, a) in y.iter_mut().zip(&p.acc) {
+                        let w = (p.max[e] - max).exp();
+                        sum += p.sum[e] * w;
+                        for (o, a) in y.iter_mut().zip(&p.acc[e * d..][..d]) {
                             *o += w * a;
                         }
                     }
@@ -262,7 +273,7 @@ fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: Ch
 
 /// One (KV head, chunk of positions) task for a group of rows, on the best instruction set
 /// the CPU has.
-fn chunk<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Vec<Vec<Partial>> {
+fn chunk<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
     match kernel() {
         // SAFETY: the CPU has AVX-512F (checked at run time)
         #[cfg(target_arch = "x86_64")]
@@ -302,9 +313,10 @@ trait Lanes {
     /// `LANES` rows of d, zero past m): the scaled scores into `out[r * stride..][..m]`.
     unsafe fn score(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize);
     /// Adds the block's weighted values (`v`: its `m` rows of d) to each query head's
-    /// accumulator (`parts[r]`, weights in `scores` row r of `n`, the block from `i0`).
+    /// accumulator (`acc[r * d..][..d]`, weights in `scores` row r of `n`, the block from
+    /// `i0`).
     #[allow(clippy::too_many_arguments)]
-    unsafe fn accumulate(parts: &mut [Partial], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize);
+    unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize);
 }
 
 /// The AVX-512 task: blocks of 16 positions; head sizes that are a multiple of 64.
@@ -325,13 +337,15 @@ impl Lanes for Avx512 {
         score16(q, k, d, m, out, stride)
     }
     #[inline(always)]
-    unsafe fn accumulate(parts: &mut [Partial], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize) {
-        for r0 in (0..parts.len()).step_by(4) {
-            match parts.len() - r0 {
-                1 => accumulate::<1>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
-                2 => accumulate::<2>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
-                3 => accumulate::<3>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
-                _ => accumulate::<4>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+    unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+        let heads = acc.len() / d;
+        for r0 in (0..heads).step_by(4) {
+            let a = &mut acc[r0 * d..];
+            match heads - r0 {
+                1 => accumulate::<1>(a, scores, n, r0, i0, m, v, d),
+                2 => accumulate::<2>(a, scores, n, r0, i0, m, v, d),
+                3 => accumulate::<3>(a, scores, n, r0, i0, m, v, d),
+                _ => accumulate::<4>(a, scores, n, r0, i0, m, v, d),
             }
         }
     }
@@ -366,7 +380,7 @@ unsafe fn score16(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, s
 /// [`rows_task`] with AVX-512.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn chunk_avx512<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Vec<Vec<Partial>> {
+unsafe fn chunk_avx512<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
     rows_task::<Avx512, T>(qs, kvs, h, spans)
 }
 
@@ -378,7 +392,7 @@ unsafe fn chunk_avx512<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usi
 /// is alone (the same blocks in the same order).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Vec<Vec<Partial>> {
+unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
     let d = kvs[0].head_dim;
     if !d.is_multiple_of(L::DIMS) {
         return chunk_portable(qs, kvs, h, spans);
@@ -432,9 +446,10 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>],
                 L::score(qs[r], k, d, m, scores.as_mut_ptr().add(offsets[r] + i0), n);
             }
         }
-        let mut parts: Vec<Vec<Partial>> = Vec::with_capacity(spans.len());
-        for (s, &o) in spans.iter().zip(&offsets) {
-            parts.push(if s.is_empty() { Vec::new() } else { exponentiate(&mut scores[o..o + n_rep * s.len()], s.len(), d) });
+        let mut parts = Partials::new(spans.len() * n_rep, d);
+        for (r, (s, &o)) in spans.iter().zip(&offsets).enumerate().filter(|(_, (s, _))| !s.is_empty()) {
+            let e = r * n_rep..(r + 1) * n_rep;
+            exponentiate(&mut scores[o..o + n_rep * s.len()], s.len(), &mut parts.max[e.clone()], &mut parts.sum[e]);
         }
         for i0 in (0..longest).step_by(lanes) {
             let (mut held, mut v) = (None, std::ptr::null());
@@ -446,7 +461,7 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>],
                     v = block_rows(values, m, lanes, d, block);
                     held = Some((values.as_ptr(), m));
                 }
-                L::accumulate(&mut parts[r], &scores[offsets[r]..], s.len(), i0, m, v, d);
+                L::accumulate(&mut parts.acc[r * n_rep * d..(r + 1) * n_rep * d], &scores[offsets[r]..], s.len(), i0, m, v, d);
             }
         }
         parts
@@ -537,13 +552,13 @@ impl Ahead {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-unsafe fn accumulate<const G: usize>(parts: &mut [Partial], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+unsafe fn accumulate<const G: usize>(parts: &mut [f32], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
     use std::arch::x86_64::*;
     for c0 in (0..d).step_by(64) {
         let mut acc = [[_mm512_setzero_ps(); 4]; G];
         for g in 0..G {
             for b in 0..4 {
-                acc[g][b] = _mm512_loadu_ps(parts[g].acc.as_ptr().add(c0 + 16 * b));
+                acc[g][b] = _mm512_loadu_ps(parts[g * d..][..d].as_ptr().add(c0 + 16 * b));
             }
         }
         for i in 0..m {
@@ -558,7 +573,7 @@ unsafe fn accumulate<const G: usize>(parts: &mut [Partial], scores: &[f32], n: u
         }
         for g in 0..G {
             for b in 0..4 {
-                _mm512_storeu_ps(parts[g].acc.as_mut_ptr().add(c0 + 16 * b), acc[g][b]);
+                _mm512_storeu_ps(parts[g * d..][..d].as_mut_ptr().add(c0 + 16 * b), acc[g][b]);
             }
         }
     }
@@ -608,12 +623,14 @@ impl Lanes for Avx2 {
         score8(q, k, d, m, out, stride)
     }
     #[inline(always)]
-    unsafe fn accumulate(parts: &mut [Partial], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize) {
-        for r0 in (0..parts.len()).step_by(3) {
-            match parts.len() - r0 {
-                1 => accumulate8::<1>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
-                2 => accumulate8::<2>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
-                _ => accumulate8::<3>(&mut parts[r0..], scores, n, r0, i0, m, v, d),
+    unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+        let heads = acc.len() / d;
+        for r0 in (0..heads).step_by(3) {
+            let a = &mut acc[r0 * d..];
+            match heads - r0 {
+                1 => accumulate8::<1>(a, scores, n, r0, i0, m, v, d),
+                2 => accumulate8::<2>(a, scores, n, r0, i0, m, v, d),
+                _ => accumulate8::<3>(a, scores, n, r0, i0, m, v, d),
             }
         }
     }
@@ -650,7 +667,7 @@ unsafe fn score8(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, st
 /// [`rows_task`] with AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn chunk_avx2<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Vec<Vec<Partial>> {
+unsafe fn chunk_avx2<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
     rows_task::<Avx2, T>(qs, kvs, h, spans)
 }
 
@@ -658,13 +675,13 @@ unsafe fn chunk_avx2<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-unsafe fn accumulate8<const G: usize>(parts: &mut [Partial], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+unsafe fn accumulate8<const G: usize>(parts: &mut [f32], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
     use std::arch::x86_64::*;
     for c0 in (0..d).step_by(32) {
         let mut acc = [[_mm256_setzero_ps(); 4]; G];
         for g in 0..G {
             for b in 0..4 {
-                acc[g][b] = _mm256_loadu_ps(parts[g].acc.as_ptr().add(c0 + 8 * b));
+                acc[g][b] = _mm256_loadu_ps(parts[g * d..][..d].as_ptr().add(c0 + 8 * b));
             }
         }
         for i in 0..m {
@@ -679,7 +696,7 @@ unsafe fn accumulate8<const G: usize>(parts: &mut [Partial], scores: &[f32], n: 
         }
         for g in 0..G {
             for b in 0..4 {
-                _mm256_storeu_ps(parts[g].acc.as_mut_ptr().add(c0 + 8 * b), acc[g][b]);
+                _mm256_storeu_ps(parts[g * d..][..d].as_mut_ptr().add(c0 + 8 * b), acc[g][b]);
             }
         }
     }
@@ -706,23 +723,31 @@ unsafe fn reduce8(x: &[std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m2
 /// The portable task: row by row (inlined into each instruction-set version, which takes
 /// it for head sizes its blocks do not fit).
 #[inline(always)]
-fn chunk_portable<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Vec<Vec<Partial>> {
-    let mut parts = Vec::with_capacity(spans.len());
-    for ((q, kv), s) in qs.iter().zip(kvs).zip(spans) {
-        parts.push(if s.is_empty() { Vec::new() } else { portable_row(q, kv, h, s.clone()) });
+fn chunk_portable<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
+    let (d, n_rep) = (kvs[0].head_dim, qs[0].len() / kvs[0].head_dim);
+    let mut parts = Partials::new(spans.len() * n_rep, d);
+    for (r, ((q, kv), s)) in qs.iter().zip(kvs).zip(spans).enumerate() {
+        if !s.is_empty() {
+            let e = r * n_rep..(r + 1) * n_rep;
+            let out = (&mut parts.max[e.clone()], &mut parts.sum[e], &mut parts.acc[r * n_rep * d..(r + 1) * n_rep * d]);
+            portable_row(q, kv, h, s.clone(), out);
+        }
     }
     parts
 }
 
+/// One row's part of [`Partials`]: its query heads' maxima, sums and accumulators.
+type RowParts<'p> = (&'p mut [f32], &'p mut [f32], &'p mut [f32]);
+
 /// One row of the portable task. A float16 or 8-bit chunk is widened into a buffer of the
 /// thread first.
 #[inline(always)]
-fn portable_row<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>) -> Vec<Partial> {
+fn portable_row<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>, out: RowParts<'_>) {
     let d = kv.head_dim;
     let n = positions.len();
     let runs: Vec<(&[T], &[T])> = kv.runs(h, positions).collect();
     match runs.iter().map(|&(k, v)| T::as_f32(k).zip(T::as_f32(v))).collect::<Option<Vec<_>>>() {
-        Some(runs) => chunk_f32(q, &runs, n, d),
+        Some(runs) => chunk_f32(q, &runs, n, d, out),
         None => WIDE.with(|w| {
             let (wk, wv) = &mut *w.borrow_mut();
             wk.resize(n * d, 0.0);
@@ -734,7 +759,7 @@ fn portable_row<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: 
                 T::widen_into(v, &mut wv[at..at + m]);
                 at += m;
             }
-            chunk_f32(q, &[(&wk[..], &wv[..])], n, d)
+            chunk_f32(q, &[(&wk[..], &wv[..])], n, d, out)
         }),
     }
 }
@@ -742,7 +767,7 @@ fn portable_row<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: 
 /// The portable task over `n` positions whose keys and values, (positions, d) each as
 /// float32, come in `runs`.
 #[inline(always)]
-fn chunk_f32(q: &[f32], runs: &[(&[f32], &[f32])], n: usize, d: usize) -> Vec<Partial> {
+fn chunk_f32(q: &[f32], runs: &[(&[f32], &[f32])], n: usize, d: usize, (max, sum, acc): RowParts<'_>) {
     let n_rep = q.len() / d;
     let scale = 1.0 / (d as f32).sqrt();
     let mut scores = vec![0.0f32; n_rep * n];
@@ -752,14 +777,13 @@ fn chunk_f32(q: &[f32], runs: &[(&[f32], &[f32])], n: usize, d: usize) -> Vec<Pa
             scores[r * n + i] = dot(&q[r * d..][..d], k) * scale;
         }
     }
-    let mut parts = exponentiate(&mut scores, n, d);
+    exponentiate(&mut scores, n, max, sum);
     let values = runs.iter().flat_map(|&(_, v)| v.chunks_exact(d));
     for (i, v) in values.enumerate() {
-        for (r, part) in parts.iter_mut().enumerate() {
-            axpy(&mut part.acc, scores[r * n + i], v);
+        for (r, acc) in acc.chunks_exact_mut(d).enumerate() {
+            axpy(acc, scores[r * n + i], v);
         }
     }
-    parts
 }
 
 /// Query positions per prefill task: with 3 query heads per KV head, 48 rows per product,
@@ -901,21 +925,19 @@ fn softmax_prefix(s: &mut [f32], visible: usize) -> f32 {
     }
 }
 
-/// Turns each query head's `n` scores into e^(score - max) in place; returns each head's
-/// maximum and sum, with a zeroed accumulator of `d` values.
+/// Turns each query head's `n` scores into e^(score - max) in place; each head's maximum
+/// and sum into `maxima` and `sums`.
 #[inline(always)]
-fn exponentiate(scores: &mut [f32], n: usize, d: usize) -> Vec<Partial> {
+fn exponentiate(scores: &mut [f32], n: usize, maxima: &mut [f32], sums: &mut [f32]) {
     // plain loops: a closure (an iterator adapter's) would be compiled apart from the
     // instruction-set version this is inlined into, without its SIMD
-    let mut parts = Vec::with_capacity(scores.len() / n.max(1));
-    for s in scores.chunks_exact_mut(n) {
-        let max = max8(s);
+    for ((s, max), sum) in scores.chunks_exact_mut(n).zip(maxima.iter_mut()).zip(sums.iter_mut()) {
+        let m = max8(s);
         for x in s.iter_mut() {
-            *x = exp_nonpositive(*x - max);
+            *x = exp_nonpositive(*x - m);
         }
-        parts.push(Partial { max, sum: sum8(s), acc: vec![0.0f32; d] });
+        (*max, *sum) = (m, sum8(s));
     }
-    parts
 }
 
 /// e^x for x <= 0 (a score minus the largest score), without a call to libm, so that a
