@@ -203,9 +203,9 @@ pub fn decode_attention<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>) -> Vec<f32> {
 
 /// [`decode_attention`] for several rows at once (row r: query `qs[r]` over `kvs[r]`), in
 /// one job for the team: a task takes one (KV head, chunk of positions) for a group of
-/// rows, one row after the other, so rows that read the same blocks (the tokens of one
-/// chunk, forks of one prompt) find them in the core's cache. Each row's arithmetic is
-/// exactly [`decode_attention`]'s.
+/// rows and goes through it block by block, every row in turn on each block, so rows
+/// that read the same blocks (the tokens of one chunk, forks of one prompt) find them in
+/// the core's cache. Each row's arithmetic is exactly [`decode_attention`]'s.
 pub fn decode_attention_rows<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>]) -> Vec<Vec<f32>> {
     attend_rows_with(qs, kvs, chunk::<T>)
 }
@@ -547,18 +547,18 @@ impl Ahead {
 }
 
 /// Adds Σ over the block's `m` positions of weight × value row to the accumulators of
-/// `G` query heads (`parts[..G]`, whose weights are scores rows `r0..r0 + G`), 64
+/// `G` query heads (`sums[g * d..][..d]`, whose weights are scores rows `r0..r0 + G`), 64
 /// dimensions at a time, held in registers over the block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-unsafe fn accumulate<const G: usize>(parts: &mut [f32], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+unsafe fn accumulate<const G: usize>(sums: &mut [f32], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
     use std::arch::x86_64::*;
     for c0 in (0..d).step_by(64) {
         let mut acc = [[_mm512_setzero_ps(); 4]; G];
         for g in 0..G {
             for b in 0..4 {
-                acc[g][b] = _mm512_loadu_ps(parts[g * d..][..d].as_ptr().add(c0 + 16 * b));
+                acc[g][b] = _mm512_loadu_ps(sums[g * d..][..d].as_ptr().add(c0 + 16 * b));
             }
         }
         for i in 0..m {
@@ -573,7 +573,7 @@ unsafe fn accumulate<const G: usize>(parts: &mut [f32], scores: &[f32], n: usize
         }
         for g in 0..G {
             for b in 0..4 {
-                _mm512_storeu_ps(parts[g * d..][..d].as_mut_ptr().add(c0 + 16 * b), acc[g][b]);
+                _mm512_storeu_ps(sums[g * d..][..d].as_mut_ptr().add(c0 + 16 * b), acc[g][b]);
             }
         }
     }
@@ -675,13 +675,13 @@ unsafe fn chunk_avx2<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-unsafe fn accumulate8<const G: usize>(parts: &mut [f32], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+unsafe fn accumulate8<const G: usize>(sums: &mut [f32], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
     use std::arch::x86_64::*;
     for c0 in (0..d).step_by(32) {
         let mut acc = [[_mm256_setzero_ps(); 4]; G];
         for g in 0..G {
             for b in 0..4 {
-                acc[g][b] = _mm256_loadu_ps(parts[g * d..][..d].as_ptr().add(c0 + 8 * b));
+                acc[g][b] = _mm256_loadu_ps(sums[g * d..][..d].as_ptr().add(c0 + 8 * b));
             }
         }
         for i in 0..m {
@@ -696,7 +696,7 @@ unsafe fn accumulate8<const G: usize>(parts: &mut [f32], scores: &[f32], n: usiz
         }
         for g in 0..G {
             for b in 0..4 {
-                _mm256_storeu_ps(parts[g * d..][..d].as_mut_ptr().add(c0 + 8 * b), acc[g][b]);
+                _mm256_storeu_ps(sums[g * d..][..d].as_mut_ptr().add(c0 + 8 * b), acc[g][b]);
             }
         }
     }
