@@ -34,11 +34,8 @@ fn main() {
     println!("kernels {}, {} threads, {} MB of weights per pass", k.name(), team.threads(), bytes / 1_000_000);
     // rows per task as the decode step splits them
     let per_of = |n: usize| (n / (team.threads() * 8)).next_multiple_of(4).clamp(16, 256);
-    let passes: [(&str, Box<dyn Fn(usize) -> usize>); 3] = [
-        ("cold", Box::new(|i| i)),
-        ("one layer", Box::new(|i| i % SHAPES.len())),
-        ("one o matrix", Box::new(|_| 1)),
-    ];
+    // which matrix the i-th product of a pass multiplies
+    let passes: [(&str, fn(usize) -> usize); 3] = [("cold", |i| i), ("one layer", |i| i % SHAPES.len()), ("one o matrix", |_| 1)];
     for round in 0..4 {
         let mut line = format!("round {round}:");
         for (name, pick) in &passes {
