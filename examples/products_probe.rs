@@ -24,6 +24,8 @@ use std::time::Instant;
 /// (rows, columns) of a layer's four products.
 const SHAPES: [(usize, usize); 4] = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
 const LAYERS: usize = 30;
+/// Which matrix the i-th product of a pass multiplies.
+type Pick = fn(usize) -> usize;
 
 fn main() {
     let mats: Vec<(Vec<f32>, usize, usize)> = (0..LAYERS)
@@ -34,8 +36,7 @@ fn main() {
     println!("kernels {}, {} threads, {} MB of weights per pass", k.name(), team.threads(), bytes / 1_000_000);
     // rows per task as the decode step splits them
     let per_of = |n: usize| (n / (team.threads() * 8)).next_multiple_of(4).clamp(16, 256);
-    // which matrix the i-th product of a pass multiplies
-    let passes: [(&str, fn(usize) -> usize); 3] = [("cold", |i| i), ("one layer", |i| i % SHAPES.len()), ("one o matrix", |_| 1)];
+    let passes: [(&str, Pick); 3] = [("cold", |i| i), ("one layer", |i| i % SHAPES.len()), ("one o matrix", |_| 1)];
     for round in 0..4 {
         let mut line = format!("round {round}:");
         for (name, pick) in &passes {
