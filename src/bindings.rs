@@ -342,6 +342,7 @@ impl Model {
                         qtensors: Default::default(),
                         source: rest.source.clone(),
                         format: rest.format,
+                        arena: None,
                     };
                     UpstreamLlama::new(&w)
                 })

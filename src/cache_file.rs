@@ -286,6 +286,7 @@ mod tests {
             qtensors: HashMap::new(),
             source: PathBuf::from("tiny"),
             format: "safetensors",
+            arena: None,
         };
         Llama::new(&w).expect("tiny model")
     }

@@ -9,6 +9,7 @@ pub mod error;
 pub mod kernels;
 pub mod linear;
 pub mod loader;
+pub mod memory;
 pub mod model;
 pub mod rope;
 pub mod sentencepiece;

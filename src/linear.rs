@@ -18,6 +18,7 @@ use candle_core::{DType, Device, Module, Result, Storage, Tensor};
 
 use crate::kernels::blocks::Format;
 use crate::loader::Blocks;
+use crate::memory::Arena;
 use crate::kernels::matvec;
 use crate::kernels::qmatvec::{QInput, QKind, QMatrix};
 use crate::kernels::team::{Shards, Team};
@@ -59,12 +60,19 @@ impl Linear {
     }
 
     /// One layer whose output rows are those of `parts` in order: one matrix when they
-    /// are all float or all of one block type (the parts' memory is released), else a
-    /// [`Linear::Stack`].
-    pub fn stack(parts: Vec<Linear>) -> Result<Self> {
+    /// are all float (a view when they lie side by side in `arena`, else a copy, the
+    /// parts' memory released) or all of one block type, else a [`Linear::Stack`].
+    pub fn stack(parts: Vec<Linear>, arena: Option<&Arena>) -> Result<Self> {
         if parts.iter().all(|p| matches!(p, Linear::Float(_))) {
             let weights: Vec<&Tensor> = parts.iter().filter_map(|p| if let Linear::Float(l) = p { Some(l.weight()) } else { None }).collect();
-            return Ok(Self::new(Tensor::cat(&weights, 0)?));
+            let joined = match arena {
+                Some(a) => a.join(&weights)?,
+                None => None,
+            };
+            return Ok(Self::new(match joined {
+                Some(view) => view,
+                None => Tensor::cat(&weights, 0)?,
+            }));
         }
         let qs: Vec<&QMatrix> = parts.iter().filter_map(|p| if let Linear::Quantized(q) = p { Some(q) } else { None }).collect();
         if qs.len() == parts.len() {
@@ -403,7 +411,7 @@ mod tests {
         let w: Vec<f32> = (0..5 * cols).map(|i| ((i * 7 % 13) as f32 - 6.0) / 10.0).collect();
         let float = Linear::new(Tensor::from_vec(w, (5, cols), &Device::Cpu).unwrap());
         let quant = Linear::Quantized(q4_1(7, cols, 9));
-        let stack = Linear::stack(vec![float, quant]).unwrap();
+        let stack = Linear::stack(vec![float, quant], None).unwrap();
         assert!(matches!(stack, Linear::Stack(_)));
         assert_eq!(stack.out_features(), 12);
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 - 30.0) / 17.0).collect();

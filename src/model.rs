@@ -83,6 +83,7 @@ impl Llama {
             qtensors: w.qtensors.clone(),
             source: w.source.clone(),
             format: w.format,
+            arena: w.arena.clone(),
         };
         Ok(Self::from_weights(shallow)?.0)
     }
@@ -115,11 +116,12 @@ impl Llama {
         for i in 0..c.num_hidden_layers {
             let qkv = [Part::Q(i), Part::K(i), Part::V(i)].into_iter().map(|p| linear(&mut w, p)).collect::<Result<_>>()?;
             let gate_up = [Part::Gate(i), Part::Up(i)].into_iter().map(|p| linear(&mut w, p)).collect::<Result<_>>()?;
+            let arena = w.arena.clone();
             layers.push(Layer {
                 input_layernorm: norm(&mut w, Part::InputNorm(i))?,
                 post_attention_layernorm: norm(&mut w, Part::PostNorm(i))?,
-                attn: Attention { qkv: Linear::stack(qkv)?, o_proj: linear(&mut w, Part::O(i))? },
-                mlp: Mlp { gate_up: Linear::stack(gate_up)?, down_proj: linear(&mut w, Part::Down(i))? },
+                attn: Attention { qkv: Linear::stack(qkv, arena.as_deref())?, o_proj: linear(&mut w, Part::O(i))? },
+                mlp: Mlp { gate_up: Linear::stack(gate_up, arena.as_deref())?, down_proj: linear(&mut w, Part::Down(i))? },
             });
         }
         // tied: the lm_head is the table (a float lm_head is the same tensor; a quantized

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{DType, Device, Tensor};
 
-use super::{expected_tensors, gguf_header, Blocks, Progress, TensorSpec, Weights};
+use super::{arena_for, expected_tensors, kept, gguf_header, Blocks, Progress, TensorSpec, Weights};
 use crate::config::ModelConfig;
 use crate::error::{message, Error, Result};
 
@@ -58,6 +58,7 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
         }
     }
 
+    let arena = arena_for(&table, dtype, device, quantized)?;
     let mut tensors = HashMap::new();
     let mut qtensors = HashMap::new();
     for (loaded, spec) in table.iter().enumerate() {
@@ -73,13 +74,13 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
             if let Some(heads) = spec.rope_heads {
                 t = unpermute(&t, heads).map_err(fail)?;
             }
-            let t = t.to_dtype(dtype).and_then(|t| t.to_device(device)).map_err(fail)?;
+            let t = t.to_dtype(dtype).and_then(|t| t.to_device(device)).and_then(|t| kept(t, &arena)).map_err(fail)?;
             tensors.insert(spec.name.clone(), t);
         }
         progress(loaded + 1, table.len());
     }
 
-    Ok(Weights { config, tensors, qtensors, source: path.to_path_buf(), format: "gguf" })
+    Ok(Weights { config, tensors, qtensors, source: path.to_path_buf(), format: "gguf", arena })
 }
 
 /// llama.cpp's form of Llama 3 RoPE scaling: a divisor per frequency in the tensor

@@ -16,6 +16,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::memory::Arena;
 
 /// What a loader produces. Both engines are built from it and share its tensors.
 pub struct Weights {
@@ -28,6 +29,9 @@ pub struct Weights {
     pub source: PathBuf,
     /// "gguf" or "safetensors".
     pub format: &'static str,
+    /// The buffer float32 CPU tensors were loaded into ([`crate::memory`]), for stacking
+    /// them without a copy; None for other dtypes and devices.
+    pub arena: Option<Arc<Arena>>,
 }
 
 impl Weights {
@@ -209,6 +213,25 @@ fn expected_tensors(config: &ModelConfig, present: usize, source: &Path) -> Resu
         ));
     }
     Ok(tensor_table(config))
+}
+
+/// The buffer a loader reads float32 CPU tensors into: room for every tensor of `table`
+/// it loads as floats (`quantized` keeps linear layers in blocks). None for other dtypes
+/// and devices.
+fn arena_for(table: &[TensorSpec], dtype: DType, device: &Device, quantized: bool) -> Result<Option<Arc<Arena>>> {
+    if dtype != DType::F32 || !device.is_cpu() {
+        return Ok(None);
+    }
+    let floats = table.iter().filter(|s| !(quantized && s.linear)).map(|s| Arena::room(s.shape.iter().product())).sum();
+    Ok(Some(Arc::new(Arena::new(floats)?)))
+}
+
+/// `t` in `arena` when there is one (a float32 CPU tensor), else as it is.
+fn kept(t: Tensor, arena: &Option<Arc<Arena>>) -> candle_core::Result<Tensor> {
+    match arena {
+        Some(a) => a.place(t),
+        None => Ok(t),
+    }
 }
 
 /// Called as loading advances with (tensors done, tensors in all).

@@ -12,7 +12,7 @@ use candle_transformers::models::llama::{LlamaConfig, LlamaEosToks};
 
 use safetensors::Dtype;
 
-use super::{expected_tensors, Blocks, Progress, Weights};
+use super::{arena_for, expected_tensors, kept, Blocks, Progress, Weights};
 use crate::config::ModelConfig;
 use crate::error::{message, Error, Result};
 
@@ -54,6 +54,7 @@ pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device, quantized: boo
         }
         views.push((spec, file, view));
     }
+    let arena = arena_for(&table, dtype, device, quantized)?;
     let mut tensors = HashMap::with_capacity(table.len());
     let mut qtensors = HashMap::new();
     let total = views.len();
@@ -72,12 +73,13 @@ pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device, quantized: boo
                 .load(&Device::Cpu)
                 .and_then(|t| t.to_dtype(dtype))
                 .and_then(|t| t.to_device(device))
+                .and_then(|t| kept(t, &arena))
                 .map_err(|e| Error::load(file, format!("tensor {}: {}", spec.name, message(e))))?;
             tensors.insert(spec.name.clone(), t);
         }
         progress(done + 1, total);
     }
-    Ok(Weights { config, tensors, qtensors, source: dir.to_path_buf(), format: "safetensors" })
+    Ok(Weights { config, tensors, qtensors, source: dir.to_path_buf(), format: "safetensors", arena })
 }
 
 /// The safetensors dtypes weights may be stored in (as the safetensors crate names them).
