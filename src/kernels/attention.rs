@@ -245,8 +245,10 @@ fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: Ch
         let _ = tasks[t].set(if group.is_empty() { Partials::new(0, d) } else { chunk(&q, &kvs[group], h, &spans) });
     });
     let tasks: Vec<Partials> = tasks.into_iter().map(|t| t.into_inner().expect("every task ran")).collect();
-    (0..rows)
-        .map(|r| {
+    // each row's chunks merged, one task a row (one row: on the caller)
+    let merged: Vec<OnceLock<Vec<f32>>> = (0..rows).map(|_| OnceLock::new()).collect();
+    team.run(rows, &|r| {
+        let _ = merged[r].set({
             let (g, i) = (r / per_group, r % per_group);
             let mut out = vec![0.0f32; heads * d];
             for h in 0..kv_heads {
@@ -267,8 +269,9 @@ fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: Ch
                 }
             }
             out
-        })
-        .collect()
+        });
+    });
+    merged.into_iter().map(|m| m.into_inner().expect("every row merged")).collect()
 }
 
 /// One (KV head, chunk of positions) task for a group of rows, on the best instruction set
