@@ -67,3 +67,35 @@ fn native_matches_upstream_on_default_model() {
     assert!(worst <= 2e-3, "max|diff| {worst}");
     assert_eq!(cache.len(), 25);
 }
+
+/// A float32 load puts every float tensor in the loader's buffer (on huge pages where
+/// Linux gives them), and the engine's q/k/v and gate/up stacks are views into it: the
+/// parts it hands out again (`hf_tensors`) lie side by side in one storage.
+#[test]
+fn float32_weights_are_views_into_one_buffer() {
+    let w = loader::load(&default_gguf(), DType::F32, &Device::Cpu).unwrap();
+    assert!(w.arena.is_some(), "float32 CPU loads fill an arena");
+    let native = Llama::new(&w).unwrap();
+    let hf = native.hf_tensors().expect("float32 weights");
+    // (first float's address of the storage, start of the tensor in it)
+    let place = |name: &str| {
+        let t = &hf[name];
+        let (guard, layout) = t.storage_and_layout();
+        let candle_core::Storage::Cpu(s) = &*guard else { panic!("{name} is not in CPU memory") };
+        (s.as_slice::<f32>().unwrap().as_ptr() as usize, layout.start_offset(), t.elem_count())
+    };
+    let attn = |p: &str| format!("model.layers.0.self_attn.{p}.weight");
+    let mlp = |p: &str| format!("model.layers.0.mlp.{p}.weight");
+    // each stack's parts one after the other, and the layer's unstacked matrix in the
+    // same buffer (a stack copied out of the buffer would live elsewhere)
+    for (parts, alone) in [(vec![attn("q_proj"), attn("k_proj"), attn("v_proj")], attn("o_proj")), (vec![mlp("gate_proj"), mlp("up_proj")], mlp("down_proj"))] {
+        let (base, start, _) = place(&parts[0]);
+        assert_eq!((base + 4 * start) % 64, 0, "{} starts on a cache line", parts[0]);
+        for pair in parts.windows(2) {
+            let (b0, s0, n0) = place(&pair[0]);
+            let (b1, s1, _) = place(&pair[1]);
+            assert_eq!((b1, s1), (b0, s0 + n0), "{} follows {} in the same buffer", pair[1], pair[0]);
+        }
+        assert_eq!(place(&alone).0, base, "{alone} is in the same buffer as {}", parts[0]);
+    }
+}
