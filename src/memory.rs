@@ -51,9 +51,7 @@ impl Arena {
     /// caller's count ([`Arena::room`]).
     pub fn new(floats: usize) -> Result<Self> {
         let pad = HUGE_PAGE / std::mem::size_of::<f32>();
-        // zeroed by the allocator (fresh pages from the kernel at this size): nothing is
-        // written until a weight is copied in, after the advice below
-        let buffer = Tensor::from_vec(vec![0f32; floats + pad], floats + pad, &Device::Cpu)?;
+        let buffer = Tensor::from_vec(zeroed(floats + pad)?, floats + pad, &Device::Cpu)?;
         let (base, at) = {
             let (guard, _) = buffer.storage_and_layout();
             let Storage::Cpu(s) = &*guard else { candle_core::bail!("the weights' buffer is not in CPU memory") };
@@ -116,6 +114,24 @@ impl Arena {
     }
 }
 
+/// `n` zero floats, or an error when the memory cannot be had (not an abort, as `vec!`
+/// would). Zeroed by the allocator: at this size fresh pages from the kernel, so nothing
+/// is written until a weight is copied in, after the advice.
+fn zeroed(n: usize) -> Result<Vec<f32>> {
+    let layout = std::alloc::Layout::array::<f32>(n).map_err(|_| candle_core::Error::Msg(format!("{n} floats of weights do not fit in memory")))?;
+    if layout.size() == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: the layout has a non-zero size
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
+    if ptr.is_null() {
+        candle_core::bail!("cannot allocate {} bytes for the weights", layout.size());
+    }
+    // SAFETY: allocated by the global allocator with the layout of `n` f32s, all zero
+    // (a valid f32 each); the vector frees it with that same layout
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
 /// Asks the kernel to back the whole huge pages inside `bytes` from `start` with huge
 /// pages. Advice only: refused (huge pages off, an old kernel) it changes nothing.
 #[cfg(target_os = "linux")]
@@ -166,6 +182,12 @@ mod tests {
         let kept = arena.place(half.clone()).unwrap();
         assert_eq!(kept.dtype(), DType::F16);
         assert_eq!(storage_of(&kept), None);
+    }
+
+    #[test]
+    fn an_arena_too_large_is_an_error_not_an_abort() {
+        assert!(Arena::new(usize::MAX / 8).is_err());
+        assert!(Arena::new(1 << 60).is_err());
     }
 
     #[test]

@@ -58,7 +58,7 @@ pub(super) fn load_file(path: &Path, dtype: DType, device: &Device, quantized: b
         }
     }
 
-    let arena = arena_for(&table, dtype, device, quantized)?;
+    let arena = arena_for(&table, dtype, device, quantized, path)?;
     let mut tensors = HashMap::new();
     let mut qtensors = HashMap::new();
     for (loaded, spec) in table.iter().enumerate() {

@@ -15,7 +15,7 @@ use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
-use crate::error::{Error, Result};
+use crate::error::{message, Error, Result};
 use crate::memory::Arena;
 
 /// What a loader produces. Both engines are built from it and share its tensors.
@@ -218,12 +218,13 @@ fn expected_tensors(config: &ModelConfig, present: usize, source: &Path) -> Resu
 /// The buffer a loader reads float32 CPU tensors into: room for every tensor of `table`
 /// it loads as floats (`quantized` keeps linear layers in blocks). None for other dtypes
 /// and devices.
-fn arena_for(table: &[TensorSpec], dtype: DType, device: &Device, quantized: bool) -> Result<Option<Arc<Arena>>> {
+fn arena_for(table: &[TensorSpec], dtype: DType, device: &Device, quantized: bool, source: &Path) -> Result<Option<Arc<Arena>>> {
     if dtype != DType::F32 || !device.is_cpu() {
         return Ok(None);
     }
     let floats = table.iter().filter(|s| !(quantized && s.linear)).map(|s| Arena::room(s.shape.iter().product())).sum();
-    Ok(Some(Arc::new(Arena::new(floats)?)))
+    let arena = Arena::new(floats).map_err(|e| Error::load(source, message(e)))?;
+    Ok(Some(Arc::new(arena)))
 }
 
 /// `t` in `arena` when there is one (a float32 CPU tensor), else as it is.

@@ -54,7 +54,7 @@ pub(super) fn load_dir(dir: &Path, dtype: DType, device: &Device, quantized: boo
         }
         views.push((spec, file, view));
     }
-    let arena = arena_for(&table, dtype, device, quantized)?;
+    let arena = arena_for(&table, dtype, device, quantized, dir)?;
     let mut tensors = HashMap::with_capacity(table.len());
     let mut qtensors = HashMap::new();
     let total = views.len();
