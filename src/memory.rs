@@ -9,11 +9,12 @@
 //! end and the translations miss the TLB. On Linux with transparent huge pages in
 //! `madvise` mode (the common default) the kernel backs a region with 2 MiB pages only
 //! when asked, before the pages are first written. Measured on the default model
-//! (Xeon, 2 threads, 2026-12-02, wheels in turns): a float32 decode step 22.6 -> 22.0 ms,
-//! a chunk of 8 tokens 1.37 -> 1.31 decode steps, 8 sequences at 2,000 tokens 5.0 ->
-//! 5.2x one, with the weights in per-matrix huge-page buffers; `examples/products_probe`
-//! reads weights 7-10 % faster from one such buffer. Elsewhere (macOS, or Linux with
-//! huge pages off) the buffer is an ordinary one, still aligned.
+//! (Xeon, 2 threads, 2026-12-02, wheels in turns): a float32 decode step 22.35 -> 20.8
+//! ms, a chunk of 8 tokens 1.37-1.39 -> 1.32 decode steps, 8 sequences at 2,000 tokens
+//! 4.93-5.02x -> 5.08-5.23x one; `examples/products_probe` reads weights 7-10 % faster
+//! from such a buffer. Loading peaks at 1.02x the weights (1.05x when the stacks were
+//! copies). Elsewhere (macOS, or Linux with huge pages off) the buffer is an ordinary
+//! one, still aligned.
 
 use candle_core::{DType, Device, Result, Storage, Tensor};
 
@@ -85,9 +86,7 @@ impl Arena {
         *next = at + Self::room(n);
         self.buffer.narrow(0, at, n)?.reshape(t.shape())
     }
-}
 
-impl Arena {
     /// One matrix of `parts` stacked by rows, as a view: when every part is a view into
     /// this arena and each starts where the one before ends (parts loaded one after the
     /// other whose sizes are whole cache lines). None otherwise (the caller copies).
