@@ -12,6 +12,11 @@ Then the same small-M case inside one sequence: the time of a chunk of k = 2, 4,
 tokens (rows of one step up to ``kvcandle.SMALL_CHUNK``) and of 16 (the prefill path)
 after 300 tokens, in decode steps of the same run (chunk sizes in turns, medians).
 
+And prompts: B prompts of n tokens each prefilled on fresh caches by one
+``forward_batch`` (their rows stacked in every product) against one ``forward`` per
+prompt (in turns), as prompt tokens per second; llama.cpp beside it with all B prompts
+in one ``llama_batch`` (B sequence ids, one ``llama_decode``).
+
 With llama-cpp-python installed, llama.cpp's batched decode runs beside it on the same
 model (float32: the Q4_1 file written as an all-float32 GGUF by llama.cpp's quantizer;
 ``quantized=True``: the Q4_1 file): the prompt decoded on sequence 0 and its cache cells
@@ -36,6 +41,7 @@ from _machine import cpu_features  # bench/ is on the path when a script runs
 
 BATCHES = (1, 2, 4, 8)
 CHUNKS = (1, 2, 4, 8, 16, 32)
+PROMPTS = ((8, 40), (8, 128), (2, 256))  # (B, tokens per prompt)
 
 
 LLAMA_CPP = r"""
@@ -86,19 +92,84 @@ print(json.dumps(out))
 """
 
 
-def llama_cpp_batched(path: str, context: int, steps: int, rounds: int, threads: int) -> Optional[dict[int, float]]:
-    """llama.cpp's aggregate decode tokens/s for each B, or None (with the reason printed)."""
+LLAMA_CPP_PROMPTS = r"""
+import json, sys, time, statistics
+import numpy as np
+import llama_cpp as L
+
+path, rounds, threads, shapes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+L.llama_backend_init()
+model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+rng = np.random.default_rng(0)
+out = {}
+for b, n in shapes:
+    params = L.llama_context_default_params()
+    params.n_ctx = b * n + 64
+    params.n_batch = params.n_ubatch = b * n
+    params.n_seq_max = b
+    params.n_threads = params.n_threads_batch = threads
+    params.kv_unified = True
+    ctx = L.llama_init_from_model(model, params)
+    batch = L.llama_batch_init(b * n, 0, b)
+    rates = []
+    for _ in range(rounds):
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        batch.n_tokens = b * n
+        for s in range(b):
+            for j, t in enumerate(rng.integers(0, 49152, n).tolist()):
+                i = s * n + j
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, j, 1, int(j == n - 1)
+                batch.seq_id[i][0] = s
+        t = time.perf_counter()
+        assert L.llama_decode(ctx, batch) == 0
+        rates.append(b * n / (time.perf_counter() - t))
+    out[f"{b}x{n}"] = statistics.median(rates)
+    L.llama_batch_free(batch)
+    L.llama_free(ctx)
+print(json.dumps(out))
+"""
+
+
+def llama_cpp(script: str, path: str, *args: str) -> Optional[dict]:
+    """What one of the llama.cpp scripts above prints, run in a process of its own, or None
+    (with the reason printed)."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         print("llama.cpp: skipped (pip install llama-cpp-python to compare)")
         return None
-    run = subprocess.run([sys.executable, "-c", LLAMA_CPP, path, str(context), str(steps), str(rounds), str(threads), json.dumps(BATCHES)],
-                         capture_output=True, text=True)  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", script, path, *args], capture_output=True, text=True)
     if run.returncode != 0:
-        print(f"llama.cpp batched decode failed on {path} (exit {run.returncode}): {run.stderr.strip().splitlines()[-1:] }")
+        print(f"llama.cpp failed on {path} (exit {run.returncode}): {run.stderr.strip().splitlines()[-1:] }")
         return None
-    return {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_batched(path: str, context: int, steps: int, rounds: int, threads: int) -> Optional[dict[int, float]]:
+    """llama.cpp's aggregate decode tokens/s for each B, or None."""
+    out = llama_cpp(LLAMA_CPP, path, str(context), str(steps), str(rounds), str(threads), json.dumps(BATCHES))
+    return None if out is None else {int(k): v for k, v in out.items()}
+
+
+def prompt_rates(model, rng, rounds: int) -> dict[str, tuple[float, float]]:
+    """For each (B, n) of PROMPTS: median prompt tokens/s of B prompts of n tokens
+    prefilled by one forward_batch and by one forward each, in turns."""
+    out = {}
+    for b, n in PROMPTS:
+        together, alone = [], []
+        for _ in range(rounds):
+            prompts = [rng.integers(0, 49152, n).tolist() for _ in range(b)]
+            caches = [model.new_cache() for _ in range(b)]
+            t = time.perf_counter()
+            model.forward_batch(prompts, caches)
+            together.append(b * n / (time.perf_counter() - t))
+            caches = [model.new_cache() for _ in range(b)]
+            t = time.perf_counter()
+            for p, c in zip(prompts, caches):
+                model.forward(p, c)
+            alone.append(b * n / (time.perf_counter() - t))
+        out[f"{b}x{n}"] = (statistics.median(together), statistics.median(alone))
+    return out
 
 
 def chunk_costs(model, rng, rounds: int) -> dict[int, float]:
@@ -148,6 +219,11 @@ def main() -> None:
         cost = chunk_costs(model, rng, args.rounds)
         print(f"kvcandle {name}, a chunk of k tokens after 300, in decode steps ({cost[1] * 1e3:.1f} ms): "
               + ", ".join(f"k={k} {cost[k] / cost[1]:.2f}" for k in CHUNKS[1:]))
+        prompts = prompt_rates(model, rng, args.rounds)
+        theirs_p = llama_cpp(LLAMA_CPP_PROMPTS, str(llama_files[quantized]), str(args.rounds), str(args.threads), json.dumps(PROMPTS)) if llama_files[quantized] else None
+        for shape, (together, alone) in prompts.items():
+            vs = f"; llama.cpp {'Q4_1' if quantized else 'f32'} in one batch {theirs_p[shape]:.0f} (kvcandle {together / theirs_p[shape]:.2f}x)" if theirs_p else ""
+            print(f"kvcandle {name}, {shape} prompt tokens: {together:.0f} tok/s in one forward_batch, {alone:.0f} one forward each ({together / alone:.2f}x){vs}")
         for context in (16, 2000):
             base = model.new_cache()
             model.forward(rng.integers(0, 49152, context).tolist(), base)

@@ -650,6 +650,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BLOCK_LEN", crate::cache::BLOCK_LEN)?;
     m.add("SMALL_CHUNK", crate::model::SMALL_CHUNK)?;
     m.add("PREFILL_CHUNK", crate::model::PREFILL_CHUNK)?;
+    m.add("PREFILL_ROWS", crate::model::PREFILL_ROWS)?;
     m.add_class::<KVCache>()?;
     m.add_class::<UpstreamModel>()?;
     m.add_class::<UpstreamKVCache>()?;

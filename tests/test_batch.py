@@ -1,8 +1,9 @@
 """``model.forward_batch``: several sequences, each with its own cache, in one call. Decode
 rows and short chunks (up to ``kvcandle.SMALL_CHUNK`` tokens) run as rows of one step and
 must give, bit for bit, what each sequence gives alone with ``forward`` whatever else is
-in the batch, and a short chunk what its tokens give decoded one by one; longer chunks
-run as ``forward`` runs them; a refused call names the sequence and changes no cache."""
+in the batch, and a short chunk what its tokens give decoded one by one; longer chunks of
+several sequences run with their rows stacked in every product and must give, bit for
+bit, what each gives alone too; a refused call names the sequence and changes no cache."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcandle
-from builders import Shape, quantized_weights, write_gguf
+from builders import Shape, quantized_weights, write_gguf, write_hf_dir
 
 
 def alone(model, prompt, step, dtype=None):
@@ -139,6 +140,36 @@ def test_decode_rows_and_prefill_chunks_in_one_call(tiny):
     ]
     for b in range(3):
         assert np.array_equal(got[b], want[b]), f"sequence {b}"
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "Q4_1", "Q6_K"])
+def test_long_chunks_of_several_sequences_stack_and_equal_each_alone(tmp_path, kind):
+    # prompts longer than SMALL_CHUNK, several PREFILL_CHUNKs long, with short ones and
+    # decode rows in the same call: the r-th chunks of all sequences run in one round,
+    # the long ones stacked in passes of up to PREFILL_ROWS rows (here more than one pass)
+    shape = Shape("long", vocab=101, hidden=256, intermediate=256, heads=4, kv_heads=2, max_pos=1024)  # K-quant rows: 256 columns
+    if kind in ("float32", "float16"):
+        model = kvcandle.load(write_hf_dir(tmp_path / "m", shape, seed=6), dtype=kind)
+    else:
+        floats, blocks = quantized_weights(shape, kind, seed=6)
+        model = kvcandle.load(write_gguf(tmp_path / "q.gguf", shape, weights=floats, blocks=blocks), quantized=True)
+    chunk, rows = kvcandle.PREFILL_CHUNK, kvcandle.PREFILL_ROWS
+    rng = np.random.default_rng(12)
+    # ... and more than eight sequences whose last chunk is long in one pass (the head
+    # then has many rows; a quantized product of more than eight rows takes other kernels)
+    prompts = [rng.integers(0, 101, n).tolist() for n in (0, 5, 0, 40, 0, 2, 0, 1, 9, 0, 30, 0, 0, 3, 0)]
+    lens = [2 * chunk + 44, chunk, rows - chunk + 7, 1, kvcandle.SMALL_CHUNK + 1, 3] + [kvcandle.SMALL_CHUNK + 1 + i for i in range(9)]
+    steps = [rng.integers(0, 101, n).tolist() for n in lens]
+    assert 3 * chunk > rows  # the first round's long chunks take two passes
+    for all_logits in (False, True):
+        caches = [_with(model, p) for p in prompts]
+        got = model.forward_batch(steps, caches, all_logits=all_logits)
+        for b, (p, s) in enumerate(zip(prompts, steps)):
+            ref = _with(model, p)
+            want = model.forward(s, ref, all_logits=all_logits)
+            assert got[b].shape == want.shape and np.array_equal(got[b], want), (kind, all_logits, b)
+            assert caches[b].tokens == p + s
+            assert all(np.array_equal(x.keys, y.keys) and np.array_equal(x.values, y.values) for x, y in zip(caches[b].layers, ref.layers)), b
 
 
 def _with(model, ids, dtype=None):

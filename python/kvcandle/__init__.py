@@ -8,7 +8,7 @@
 """
 
 from . import upstream
-from ._core import BLOCK_LEN, PREFILL_CHUNK, SIMD_ENV, SMALL_CHUNK, __version__, compiled_devices, simd_level, simd_levels
+from ._core import BLOCK_LEN, PREFILL_CHUNK, PREFILL_ROWS, SIMD_ENV, SMALL_CHUNK, __version__, compiled_devices, simd_level, simd_levels
 from ._default import default_model_path
 from .beam import beam_search
 from .cache import KVCache, LayerView, held_bytes
@@ -41,6 +41,7 @@ __all__ = [
     "BLOCK_LEN",
     "SMALL_CHUNK",
     "PREFILL_CHUNK",
+    "PREFILL_ROWS",
     "held_bytes",
     "default_model_path",
     "load",

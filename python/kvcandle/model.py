@@ -164,10 +164,15 @@ class Model:
         one call; each sequence's logits as :meth:`forward` returns them.
 
         Decode rows and short chunks (up to :data:`kvcandle.SMALL_CHUNK` tokens) run
-        together as rows of one step: every weight matrix is read once for all of them,
-        and each sequence's logits are bit-identical to a :meth:`forward` of it alone,
-        whatever else is in the batch. Longer chunks run as :meth:`forward` runs them.
-        Caches may be forks of one prompt (they share its blocks) and of any lengths.
+        together as rows of one step; longer inputs run in chunks of
+        :data:`kvcandle.PREFILL_CHUNK` tokens as :meth:`forward` cuts them, the r-th
+        chunks of all sequences together, their rows stacked in every matrix product
+        (up to :data:`kvcandle.PREFILL_ROWS` rows a pass). Either way every weight matrix
+        is read once for all of them, and each sequence's logits (and cache) are
+        bit-identical to a :meth:`forward` of it alone, whatever else is in the batch
+        (models whose products are candle's, float16 ones and GPUs, run each long chunk
+        alone to keep that). Caches may be forks of one prompt (they share its blocks)
+        and of any lengths.
 
         Every sequence is checked before any work; a refused call raises the error
         :meth:`forward` would raise, its message starting ``sequence b:``, and leaves every

@@ -79,12 +79,7 @@ impl Llama {
         }
         // the rows whose logits are asked for: each sequence's last, or all
         let wanted: Vec<usize> = (0..n).filter(|&r| all_logits || rows.get(r + 1).is_none_or(|next| next.0 != rows[r].0)).collect();
-        let mut last = vec![vec![0f32; c.hidden_size]; wanted.len()];
-        for (&r, xn) in wanted.iter().zip(last.iter_mut()) {
-            self.norm.apply(&x[r], xn);
-        }
-        let mut logits = vec![vec![0f32; c.vocab_size]; wanted.len()];
-        products(team, &view(&self.lm_head)?, &prepared(team, &self.lm_head, &last), &mut logits, false);
+        let logits = self.head_rows(wanted.iter().map(|&r| &x[r][..]))?;
         for (cache, ids) in caches.iter_mut().zip(ids) {
             cache.commit(ids);
         }
@@ -93,6 +88,25 @@ impl Llama {
             out[rows[r].0].extend_from_slice(&logits);
         }
         Ok(out)
+    }
+}
+
+impl Llama {
+    /// The logits of final hidden states, one row each: the final norm and the head as a
+    /// decode step computes them, so a row's logits do not depend on the other rows.
+    pub(super) fn head_rows<'x>(&self, xs: impl Iterator<Item = &'x [f32]>) -> Result<Vec<Vec<f32>>> {
+        let c = &self.config;
+        let team = Team::global();
+        let normed: Vec<Vec<f32>> = xs
+            .map(|x| {
+                let mut xn = vec![0f32; c.hidden_size];
+                self.norm.apply(x, &mut xn);
+                xn
+            })
+            .collect();
+        let mut logits = vec![vec![0f32; c.vocab_size]; normed.len()];
+        products(team, &view(&self.lm_head)?, &prepared(team, &self.lm_head, &normed), &mut logits, false);
+        Ok(logits)
     }
 }
 
