@@ -1,9 +1,12 @@
 //! Linear layers for the native engine: a float matrix (a candle tensor), a matrix kept in
 //! GGUF quantized blocks ([`crate::kernels::qmatvec`]), or a stack of either.
 //!
-//! Two ways in: [`Module::forward`] for products of many rows (prefill), through candle;
-//! and [`Linear::view`] for one input vector (a decode step), which borrows the weights
-//! in place so that the threads of a step compute ranges of rows ([`View::mul_rows`]) with
+//! Three ways in: [`Linear::product_into`] for products of many rows (a prefill pass of
+//! kvcandle's own engine: tiles of the weights, each read once for all rows, multiplied
+//! by gemm's kernels on the team, into buffers); [`Module::forward`], the same on tensors
+//! (candle's product where the weights are not float32 or blocks in CPU memory); and
+//! [`Linear::view`] for one input vector (a decode step), which borrows the weights in
+//! place so that the threads of a step compute ranges of rows ([`View::mul_rows`]) with
 //! kvcandle's own kernels ([`crate::kernels::matvec`], [`crate::kernels::qmatvec`]).
 //!
 //! Matrices that read the same input are stacked at load ([`Linear::stack`]): q, k and v
@@ -145,6 +148,47 @@ impl Linear {
     /// The input vector `x` prepared once for every row range of this layer.
     pub fn prepare<'x>(&self, x: &'x [f32]) -> Input<'x> {
         Input { x, q: self.needs_q8().then(|| QMatrix::prepare(x)) }
+    }
+
+    /// The product of the rows of `input` ((rows, in_features) row-major float32) with this
+    /// layer, into `out` (see [`Out`]): products of many rows, as [`Module::forward`]
+    /// computes them, without tensors. Float32 weights and blocks in CPU memory only.
+    pub fn product_into(&self, input: &[f32], out: Out<'_>) -> Result<()> {
+        match self {
+            Linear::Float(_) => {
+                let Some(View::Float { guard, start, rows, cols }) = self.view() else {
+                    candle_core::bail!("product_into: the weights are not float32 in CPU memory")
+                };
+                let Storage::Cpu(s) = &*guard else { unreachable!("checked in Linear::view") };
+                tiled(input, cols, rows, Tiles::Float(&s.as_slice::<f32>()?[start..start + rows * cols]), out);
+            }
+            Linear::Quantized(q) => {
+                let (n, cols) = (q.rows(), q.cols());
+                let m = input.len() / cols.max(1);
+                if m > QUANTIZED_MATVEC_MAX_ROWS {
+                    tiled(input, cols, n, Tiles::Quantized(q), out);
+                } else {
+                    let x = Tensor::from_slice(input, (m, cols), &Device::Cpu)?;
+                    let y = quantized_forward(q, &x)?.flatten_all()?.to_vec1::<f32>()?;
+                    for (i, row) in y.chunks_exact(n.max(1)).enumerate() {
+                        let dst = &mut out.data[i * out.ld + out.col..][..n];
+                        if out.add {
+                            dst.iter_mut().zip(row).for_each(|(d, v)| *d += v);
+                        } else {
+                            dst.copy_from_slice(row);
+                        }
+                    }
+                }
+            }
+            Linear::Stack(parts) => {
+                let mut col = out.col;
+                for p in parts {
+                    p.product_into(input, Out { data: &mut *out.data, ld: out.ld, col, add: out.add })?;
+                    col += p.out_features();
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The weights borrowed for decode kernels; None unless they are float32 (or blocks)
@@ -297,9 +341,9 @@ enum Tiles<'a> {
 }
 
 thread_local! {
-    /// Each thread's buffers for one tile of a prefill product: (the sum of the partial
-    /// products so far, the next partial product).
-    static PARTS: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// Each thread's buffer for one tile of a prefill product: the sum of the partial
+    /// products so far.
+    static PARTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `x W^T` for x (..., cols) float32 and W (n, cols).
@@ -316,7 +360,27 @@ fn tiled_forward(x: &Tensor, n: usize, cols: usize, tiles: Tiles<'_>) -> Result<
     let input = &s.as_slice::<f32>()?[layout.start_offset()..layout.start_offset() + x.elem_count()];
     let m = input.len() / cols.max(1);
     let mut out = vec![0f32; m * n];
-    let shards = Shards::new(&mut out);
+    tiled(input, cols, n, tiles, Out { data: &mut out, ld: n, col: 0, add: false });
+    drop(guard);
+    Tensor::from_vec(out, out_dims, x.device())
+}
+
+/// Where a product of many rows goes: row i's n results at `data[i * ld + col..][..n]`,
+/// written, or added to what is there with `add`.
+pub struct Out<'a> {
+    pub data: &'a mut [f32],
+    pub ld: usize,
+    pub col: usize,
+    pub add: bool,
+}
+
+/// The product of the rows of `input` ((m, cols) row-major) with W^T, W (n, cols) given as
+/// tiles, into `out`; one task per tile of [`TILE_ROWS`] weight rows on the team.
+fn tiled(input: &[f32], cols: usize, n: usize, tiles: Tiles<'_>, out: Out<'_>) {
+    let m = input.len() / cols.max(1);
+    assert!(m == 0 || out.data.len() >= (m - 1) * out.ld + out.col + n, "tiled product: output too small");
+    let (ld, col, add) = (out.ld, out.col, out.add);
+    let shards = Shards::new(out.data);
     Team::global().run(n.div_ceil(TILE_ROWS), &|t| {
         let rows = t * TILE_ROWS..((t + 1) * TILE_ROWS).min(n);
         let mut buffer = Vec::new();
@@ -329,42 +393,40 @@ fn tiled_forward(x: &Tensor, n: usize, cols: usize, tiles: Tiles<'_>) -> Result<
             }
         };
         let r = rows.len();
-        PARTS.with(|parts| {
-            let (sum, part) = &mut *parts.borrow_mut();
-            sum.clear();
+        PARTS.with(|sum| {
+            let sum = &mut *sum.borrow_mut();
             sum.resize(m * r, 0.0);
-            part.resize(m * r, 0.0);
             for k0 in (0..cols).step_by(K_PART) {
                 let k = K_PART.min(cols - k0);
-                let dst = if k0 == 0 { &mut sum[..] } else { &mut part[..] };
-                // SAFETY: dst is (m, r) row-major, input columns k0..k0 + k of (m, cols)
+                // SAFETY: sum is (m, r) row-major, input columns k0..k0 + k of (m, cols)
                 // row-major, the tile's columns k0..k0 + k of (r, cols) row-major read as
-                // its transpose; all in bounds.
+                // its transpose; all in bounds. After the first part, each part's sum is
+                // added to the sum so far (gemm: dst = 1 * dst + 1 * part, exactly
+                // dst + part).
                 unsafe {
                     gemm::gemm(
                         m, r, k,
-                        dst.as_mut_ptr(), 1, r as isize, false,
+                        sum.as_mut_ptr(), 1, r as isize, k0 > 0,
                         input.as_ptr().add(k0), 1, cols as isize,
                         w.as_ptr().add(k0), cols as isize, 1,
-                        0.0, 1.0, false, false, false,
+                        1.0, 1.0, false, false, false,
                         gemm::Parallelism::None,
                     );
                 }
-                if k0 > 0 {
-                    for (s, p) in sum.iter_mut().zip(part.iter()) {
-                        *s += *p;
-                    }
-                }
             }
             for (i, row) in sum.chunks_exact(r).enumerate() {
-                // SAFETY: the task writes columns rows.start..rows.end of the (m, n)
-                // output, other tasks other columns
-                unsafe { shards.part(i * n + rows.start..i * n + rows.end) }.copy_from_slice(row);
+                let at = i * ld + col + rows.start;
+                // SAFETY: the task writes columns rows.start..rows.end of the output's
+                // rows, other tasks other columns
+                let dst = unsafe { shards.part(at..at + r) };
+                if add {
+                    dst.iter_mut().zip(row).for_each(|(d, v)| *d += v);
+                } else {
+                    dst.copy_from_slice(row);
+                }
             }
         });
     });
-    drop(guard);
-    Tensor::from_vec(out, out_dims, x.device())
 }
 
 fn quantized_forward(q: &QMatrix, x: &Tensor) -> Result<Tensor> {

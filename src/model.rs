@@ -43,6 +43,7 @@ pub(crate) fn next_model_id() -> u64 {
 }
 
 mod decode;
+mod prefill;
 
 struct Attention {
     /// q, k and v stacked: (heads + 2 kv_heads) * head_dim output rows
@@ -404,7 +405,12 @@ impl Llama {
             for pass in passes(&long, |b| chunks[b][r].len(), most) {
                 let tokens: Vec<&[u32]> = pass.iter().map(|&b| chunks[b][r]).collect();
                 let wanted: Vec<bool> = pass.iter().map(|&b| all_logits || r + 1 == chunks[b].len()).collect();
-                let logits = self.prefill_chunks(&tokens, &mut subset(caches, &pass), &wanted, all_logits)?;
+                let mut pass_caches = subset(caches, &pass);
+                let logits = if self.decode {
+                    self.prefill_rows(&tokens, &mut pass_caches, &wanted, all_logits)?
+                } else {
+                    self.prefill_chunks(&tokens, &mut pass_caches, &wanted, all_logits)?
+                };
                 for (&b, logits) in pass.iter().zip(logits) {
                     outs[b].extend(logits);
                 }
@@ -450,15 +456,7 @@ impl Llama {
             .map(|(p, _)| if all_logits { p.rows.clone() } else { p.rows.end - 1..p.rows.end })
             .collect();
         let mut logits = Vec::with_capacity(ids.len());
-        if self.decode && !all_logits {
-            // last rows as a decode step's head computes them: each row's logits the
-            // same however many chunks of the pass want theirs
-            let x = x.squeeze(0)?;
-            let last = rows.iter().map(|r| x.get(r.start)?.to_vec1::<f32>()).collect::<candle_core::Result<Vec<_>>>()?;
-            for l in self.head_rows(last.iter().map(|v| &v[..]))? {
-                logits.push(Tensor::from_vec(l, self.config.vocab_size, &self.device)?);
-            }
-        } else if !rows.is_empty() {
+        if !rows.is_empty() {
             let picked = rows.iter().map(|r| x.narrow(1, r.start, r.len())).collect::<candle_core::Result<Vec<_>>>()?;
             let x = if picked.len() == 1 { picked[0].contiguous()? } else { Tensor::cat(&picked, 1)? };
             let all = self.lm_head.forward(&self.norm.forward(&x)?)?.squeeze(0)?.to_dtype(DType::F32)?;
@@ -517,13 +515,6 @@ impl Llama {
         let v = split(qkv.narrow(2, (heads + kv_heads) * d, kv_heads * d)?, kv_heads)?;
         cache.write(index, &k, &v)?;
         let total = offset + seq;
-        if self.decode {
-            // float32 in CPU memory: kvcandle's own causal attention, in place over the cache
-            let qs = q.flatten_all()?.to_vec1::<f32>()?;
-            if let Some(y) = cache.attend_causal(index, &qs, seq, total)? {
-                return Ok(Tensor::from_vec(y, (b, seq, heads * d), &self.device)?);
-            }
-        }
         let (k, v) = cache.view(index, total)?;
         // candle's gemm backend takes the strided views as they are; Accelerate (macOS) and
         // GPU kernels are stricter about strides, so they get a contiguous copy.
