@@ -513,4 +513,47 @@ mod tests {
             }
         }
     }
+
+    /// `product_into` of a stack (float32 rows, then blocks) with more columns than one
+    /// partial sum: each part's results land in their columns of a wider output, written
+    /// or added to what is there, and equal the float64 product; the float32 part equals
+    /// `forward`'s bit for bit.
+    #[test]
+    fn products_into_a_strided_output_match_float64() {
+        let (cols, m, ld, col) = (2 * K_PART + 64, 2 * QUANTIZED_MATVEC_MAX_ROWS + 1, 2 * TILE_ROWS + 40, 3);
+        let fw: Vec<f32> = (0..(TILE_ROWS + 9) * cols).map(|i| ((i * 7 % 29) as f32 - 14.0) / 40.0).collect();
+        let float = Linear::new(Tensor::from_vec(fw.clone(), (TILE_ROWS + 9, cols), &Device::Cpu).unwrap());
+        let q = q4_1(TILE_ROWS - 5, cols, 11);
+        let qw = q.dequantize();
+        let stack = Linear::stack(vec![float, Linear::Quantized(q)], None).unwrap();
+        let n = stack.out_features();
+        assert!(col + n <= ld);
+        let w: Vec<f32> = fw.iter().chain(&qw).copied().collect();
+        let x: Vec<f32> = (0..m * cols).map(|i| ((i * 31 % 23) as f32 - 11.0) / 9.0).collect();
+        let before: Vec<f32> = (0..m * ld).map(|i| (i % 5) as f32).collect();
+        for add in [false, true] {
+            let mut out = before.clone();
+            stack.product_into(&x, Out { data: &mut out, ld, col, add }).unwrap();
+            for i in 0..m {
+                for j in 0..ld {
+                    let got = out[i * ld + j] as f64;
+                    if j < col || j >= col + n {
+                        assert_eq!(got, before[i * ld + j] as f64, "row {i}: column {j} outside the product changed");
+                        continue;
+                    }
+                    let r = j - col;
+                    let dot: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[i * cols + c] as f64).sum();
+                    let want = dot + if add { before[i * ld + j] as f64 } else { 0.0 };
+                    assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {i} column {j} (add {add}): {got} vs {want}");
+                }
+            }
+        }
+        let Linear::Stack(parts) = &stack else { unreachable!("a mixed stack") };
+        let y = parts[0].forward(&Tensor::from_vec(x.clone(), (m, cols), &Device::Cpu).unwrap()).unwrap().to_vec2::<f32>().unwrap();
+        let mut out = vec![0f32; m * ld];
+        parts[0].product_into(&x, Out { data: &mut out, ld, col, add: false }).unwrap();
+        for (i, row) in y.iter().enumerate() {
+            assert_eq!(row[..], out[i * ld + col..][..TILE_ROWS + 9], "row {i}");
+        }
+    }
 }
