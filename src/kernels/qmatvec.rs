@@ -893,8 +893,11 @@ impl Q4Rows {
 }
 
 /// Q4_0 and Q4_1 rows against int8 activations with AVX-512 VNNI, sixteen rows at once,
-/// one row per 32-bit lane: for each block, the sixteen rows' 16 bytes of nibbles are
-/// gathered as four registers (lane `r`: row `r`'s bytes `4t..4t + 4`), whose low and high
+/// one row per 32-bit lane: for each block, the sixteen rows' 16 bytes of nibbles become
+/// four registers (lane `r`: row `r`'s bytes `4t..4t + 4`; loaded and transposed as 4 x 4
+/// dwords within each 128-bit lane, or gathered for a last group of fewer than sixteen
+/// rows: the loads made a quantized decode step 2-4 % faster than four gathers, measured
+/// with the two builds in turns; the scales stay one gather), whose low and high
 /// nibbles are the block's values `4t..4t + 4` and `16 + 4t..`; each input's block is then
 /// eight byte dot products against its activations' matching four bytes (broadcast),
 /// which sum the block in every lane exactly, as integers, with no horizontal step. One
@@ -930,7 +933,26 @@ unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize,
                 };
             }
             let heads = gather!(0);
-            let packed = [gather!(values_at), gather!(values_at + 4), gather!(values_at + 8), gather!(values_at + 12)];
+            let packed = if mask == 0xFFFF {
+                // a full group: each row's 16 bytes loaded (rows k, k + 4, k + 8, k + 12 in
+                // the four 128-bit lanes of z[k]) and transposed as 4 x 4 dwords within each
+                // lane, which gives lane r row r's bytes 4t..4t + 4, as the gathers do
+                macro_rules! lanes {
+                    ($k:expr) => {{
+                        let row = |r: usize| p.add(r * row_bytes + values_at) as *const __m128i;
+                        let v = _mm512_castsi128_si512(_mm_loadu_si128(row($k)));
+                        let v = _mm512_inserti32x4::<1>(v, _mm_loadu_si128(row($k + 4)));
+                        let v = _mm512_inserti32x4::<2>(v, _mm_loadu_si128(row($k + 8)));
+                        _mm512_inserti32x4::<3>(v, _mm_loadu_si128(row($k + 12)))
+                    }};
+                }
+                let (z0, z1, z2, z3) = (lanes!(0), lanes!(1), lanes!(2), lanes!(3));
+                let (t0, t1) = (_mm512_unpacklo_epi32(z0, z1), _mm512_unpackhi_epi32(z0, z1));
+                let (t2, t3) = (_mm512_unpacklo_epi32(z2, z3), _mm512_unpackhi_epi32(z2, z3));
+                [_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)]
+            } else {
+                [gather!(values_at), gather!(values_at + 4), gather!(values_at + 8), gather!(values_at + 12)]
+            };
             let q: [__m512i; 8] = std::array::from_fn(|t| if t < 4 { _mm512_and_si512(packed[t], low4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(packed[t - 4]), low4) });
             let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads));
             let min = match f {
