@@ -382,9 +382,11 @@ impl Llama {
     /// sequence that has one: the chunks of up to [`SMALL_CHUNK`] tokens as rows of one
     /// decode step ([`Self::decode_rows`]: each decode row's logits bit-identical to the
     /// sequence run alone), the longer ones with their rows stacked in every matrix
-    /// product ([`Self::prefill_chunks`], up to [`PREFILL_ROWS`] rows a pass). Either way
-    /// each weight matrix is read once for all of a pass's rows. A short chunk is always
-    /// its sequence's last, so every earlier chunk ran in an earlier round.
+    /// product ([`Self::prefill_rows`], up to [`PREFILL_ROWS`] rows a pass; bit-identical
+    /// to each alone too). Either way each weight matrix is read once for all of a pass's
+    /// rows. Models whose products are candle's (not float32 or blocks in CPU memory)
+    /// run every chunk alone through tensors ([`Self::prefill_chunks`]). A short chunk is
+    /// always its sequence's last, so every earlier chunk ran in an earlier round.
     fn run(&self, ids: &[Vec<u32>], caches: &mut [&mut KvCache], all_logits: bool) -> Result<Vec<Tensor>> {
         let chunks: Vec<Vec<&[u32]>> = ids.iter().map(|s| s.chunks(PREFILL_CHUNK).collect()).collect();
         let mut outs: Vec<Vec<Tensor>> = vec![Vec::new(); ids.len()];
@@ -427,10 +429,11 @@ impl Llama {
         Ok(if all_logits { Tensor::from_vec(logits, (rows, vocab), &self.device)? } else { Tensor::from_vec(logits, vocab, &self.device)? })
     }
 
-    /// One chunk of each of several sequences, their rows stacked in every matrix product
-    /// and each chunk's attention over its own cache; appends each chunk to its cache and
-    /// returns, for the chunks where `wanted`, their logits: all rows with `all_logits`,
-    /// else the last row.
+    /// [`Self::prefill_rows`] through candle tensors, for models whose weights are not
+    /// float32 or blocks in CPU memory (float16, GPUs): one chunk of each of several
+    /// sequences, their rows stacked in every matrix product and each chunk's attention
+    /// over its own cache; appends each chunk to its cache and returns, for the chunks
+    /// where `wanted`, their logits: all rows with `all_logits`, else the last row.
     fn prefill_chunks(&self, ids: &[&[u32]], caches: &mut [&mut KvCache], wanted: &[bool], all_logits: bool) -> Result<Vec<Option<Tensor>>> {
         for (cache, ids) in caches.iter_mut().zip(ids) {
             cache.reserve(ids.len())?;
