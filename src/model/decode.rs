@@ -55,11 +55,7 @@ impl Llama {
             let shared: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
             each_row(team, &mut qkv, |r, row| {
                 let (b, p) = rows[r];
-                let (q, kv) = row.split_at_mut(heads * d);
-                let (k, v) = kv.split_at_mut(kv_heads * d);
-                self.rope.rotate(q, p);
-                self.rope.rotate(k, p);
-                shared[b].write_at(i, p, k, v)
+                self.rotate_and_store(row, shared[b], i, p)
             })
             .into_iter()
             .collect::<Result<()>>()?;
@@ -92,6 +88,17 @@ impl Llama {
 }
 
 impl Llama {
+    /// One row of the stacked q/k/v product, at position `p`: its queries and keys
+    /// rotated in place, its keys and values written to `cache`'s `layer` (reserved).
+    pub(super) fn rotate_and_store(&self, row: &mut [f32], cache: &KvCache, layer: usize, p: usize) -> Result<()> {
+        let c = &self.config;
+        let (q, kv) = row.split_at_mut(c.num_attention_heads * c.head_dim);
+        let (k, v) = kv.split_at_mut(c.num_key_value_heads * c.head_dim);
+        self.rope.rotate(q, p);
+        self.rope.rotate(k, p);
+        cache.write_at(layer, p, k, v)
+    }
+
     /// The logits of final hidden states, one row each: the final norm and the head as a
     /// decode step computes them, so a row's logits do not depend on the other rows.
     pub(super) fn head_rows<'x>(&self, xs: impl Iterator<Item = &'x [f32]>) -> Result<Vec<Vec<f32>>> {

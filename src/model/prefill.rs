@@ -48,11 +48,7 @@ impl Llama {
             layer.attn.qkv.product_into(&xn, into(&mut qkv, width, false))?;
             by_rows(team, &mut qkv, width, |r, row| {
                 let (b, p) = rows[r];
-                let (q, kv) = row.split_at_mut(heads * d);
-                let (k, v) = kv.split_at_mut(kv_heads * d);
-                self.rope.rotate(q, p);
-                self.rope.rotate(k, p);
-                shared[b].write_at(i, p, k, v)
+                self.rotate_and_store(row, shared[b], i, p)
             })?;
             for (b, cache) in shared.iter().enumerate() {
                 let (first, seq) = (firsts[b], ids[b].len());
