@@ -41,12 +41,13 @@ impl Rope {
         self.inv_freq.iter().map(|f| { let a = p * f; (a.cos() as f32, a.sin() as f32) }).unzip()
     }
 
-    /// Rotates `heads` heads of one position `pos` in place, as [`Rope::apply`] does with
-    /// `tables(pos, 1)` (the same rounded sines and cosines).
-    pub fn rotate(&self, x: &mut [f32], pos: usize) {
+    /// Rotates the heads of one position `pos` in place (its queries and its keys: the
+    /// angles computed once for both), as [`Rope::apply`] does with `tables(pos, 1)` (the
+    /// same rounded sines and cosines).
+    pub fn rotate(&self, q: &mut [f32], k: &mut [f32], pos: usize) {
         let half = self.inv_freq.len();
         let (cos, sin) = self.cos_sin(pos);
-        for head in x.chunks_exact_mut(2 * half) {
+        for head in q.chunks_exact_mut(2 * half).chain(k.chunks_exact_mut(2 * half)) {
             let (x1, x2) = head.split_at_mut(half);
             for i in 0..half {
                 let (a, b) = (x1[i], x2[i]);

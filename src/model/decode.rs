@@ -94,8 +94,7 @@ impl Llama {
         let c = &self.config;
         let (q, kv) = row.split_at_mut(c.num_attention_heads * c.head_dim);
         let (k, v) = kv.split_at_mut(c.num_key_value_heads * c.head_dim);
-        self.rope.rotate(q, p);
-        self.rope.rotate(k, p);
+        self.rope.rotate(q, k, p);
         cache.write_at(layer, p, k, v)
     }
 
