@@ -385,7 +385,7 @@ impl Llama {
     /// product ([`Self::prefill_rows`], up to [`PREFILL_ROWS`] rows a pass; bit-identical
     /// to each alone too). Either way each weight matrix is read once for all of a pass's
     /// rows. Models whose products are candle's (not float32 or blocks in CPU memory)
-    /// run every chunk alone through tensors ([`Self::prefill_chunks`]). A short chunk is
+    /// run every chunk alone through tensors ([`Self::prefill_chunk`]). A short chunk is
     /// always its sequence's last, so every earlier chunk ran in an earlier round.
     fn run(&self, ids: &[Vec<u32>], caches: &mut [&mut KvCache], all_logits: bool) -> Result<Vec<Tensor>> {
         let chunks: Vec<Vec<&[u32]>> = ids.iter().map(|s| s.chunks(PREFILL_CHUNK).collect()).collect();
@@ -401,20 +401,20 @@ impl Llama {
                     outs[b].push(self.logits_tensor(logits, ids.len(), all_logits)?);
                 }
             }
-            // stacked only where the products are our own, whose rows are independent of
-            // each other bit for bit (candle's float16 kernels and the GPUs' are not)
-            let most = if self.decode { PREFILL_ROWS } else { 0 };
-            for pass in passes(&long, |b| chunks[b][r].len(), most) {
-                let tokens: Vec<&[u32]> = pass.iter().map(|&b| chunks[b][r]).collect();
-                let wanted: Vec<bool> = pass.iter().map(|&b| all_logits || r + 1 == chunks[b].len()).collect();
-                let mut pass_caches = subset(caches, &pass);
-                let logits = if self.decode {
-                    self.prefill_rows(&tokens, &mut pass_caches, &wanted, all_logits)?
-                } else {
-                    self.prefill_chunks(&tokens, &mut pass_caches, &wanted, all_logits)?
-                };
-                for (&b, logits) in pass.iter().zip(logits) {
-                    outs[b].extend(logits);
+            if self.decode {
+                for pass in passes(&long, |b| chunks[b][r].len()) {
+                    let tokens: Vec<&[u32]> = pass.iter().map(|&b| chunks[b][r]).collect();
+                    let wanted: Vec<bool> = pass.iter().map(|&b| all_logits || r + 1 == chunks[b].len()).collect();
+                    for (&b, logits) in pass.iter().zip(self.prefill_rows(&tokens, &mut subset(caches, &pass), &wanted, all_logits)?) {
+                        outs[b].extend(logits);
+                    }
+                }
+            } else {
+                // candle's products (float16, GPUs) do not keep rows independent bit for
+                // bit, so each chunk runs alone there
+                for &b in &long {
+                    let want = all_logits || r + 1 == chunks[b].len();
+                    outs[b].extend(self.prefill_chunk(chunks[b][r], caches[b], want, all_logits)?);
                 }
             }
         }
@@ -429,58 +429,31 @@ impl Llama {
         Ok(if all_logits { Tensor::from_vec(logits, (rows, vocab), &self.device)? } else { Tensor::from_vec(logits, vocab, &self.device)? })
     }
 
-    /// [`Self::prefill_rows`] through candle tensors, for models whose weights are not
-    /// float32 or blocks in CPU memory (float16, GPUs): one chunk of each of several
-    /// sequences, their rows stacked in every matrix product and each chunk's attention
-    /// over its own cache; appends each chunk to its cache and returns, for the chunks
-    /// where `wanted`, their logits: all rows with `all_logits`, else the last row.
-    fn prefill_chunks(&self, ids: &[&[u32]], caches: &mut [&mut KvCache], wanted: &[bool], all_logits: bool) -> Result<Vec<Option<Tensor>>> {
-        for (cache, ids) in caches.iter_mut().zip(ids) {
-            cache.reserve(ids.len())?;
-        }
-        let mut parts = Vec::with_capacity(ids.len());
-        let mut first = 0;
-        for (cache, ids) in caches.iter().zip(ids) {
-            let (offset, seq) = (cache.len(), ids.len());
-            let (mask, rope) = (causal_mask(seq, offset, &self.device)?, self.rope.tables(offset, seq)?);
-            parts.push(Chunk { rows: first..first + seq, cache, mask, rope });
-            first += seq;
-        }
-        let embedded = ids.iter().map(|ids| self.embed(ids)).collect::<Result<Vec<_>>>()?;
-        let mut x = if embedded.len() == 1 { embedded[0].clone() } else { Tensor::cat(&embedded, 0)? }.unsqueeze(0)?;
+    /// One chunk through candle tensors, for models whose weights are not float32 or blocks
+    /// in CPU memory (float16, GPUs): appends it to the cache and returns its logits when
+    /// `wanted` (all rows with `all_logits`, else the last row).
+    fn prefill_chunk(&self, ids: &[u32], cache: &mut KvCache, wanted: bool, all_logits: bool) -> Result<Option<Tensor>> {
+        let seq = ids.len();
+        cache.reserve(seq)?;
+        let mut x = self.embed(ids)?.unsqueeze(0)?;
+        let mask = causal_mask(seq, cache.len(), &self.device)?;
+        let rope = self.rope.tables(cache.len(), seq)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            x = self.layer_forward(i, layer, &x, &parts)?;
+            x = self.layer_forward(i, layer, &x, cache, mask.as_ref(), &rope)?;
         }
-        // the rows whose logits are asked for, through the head together
-        let rows: Vec<std::ops::Range<usize>> = parts
-            .iter()
-            .zip(wanted)
-            .filter(|(_, &w)| w)
-            .map(|(p, _)| if all_logits { p.rows.clone() } else { p.rows.end - 1..p.rows.end })
-            .collect();
-        let mut logits = Vec::with_capacity(ids.len());
-        if !rows.is_empty() {
-            let picked = rows.iter().map(|r| x.narrow(1, r.start, r.len())).collect::<candle_core::Result<Vec<_>>>()?;
-            let x = if picked.len() == 1 { picked[0].contiguous()? } else { Tensor::cat(&picked, 1)? };
-            let all = self.lm_head.forward(&self.norm.forward(&x)?)?.squeeze(0)?.to_dtype(DType::F32)?;
-            let mut at = 0;
-            for r in &rows {
-                let t = all.narrow(0, at, r.len())?;
-                logits.push(if all_logits { t } else { t.squeeze(0)? });
-                at += r.len();
-            }
-        }
-        drop(parts);
-        for (cache, ids) in caches.iter_mut().zip(ids) {
-            cache.commit(ids);
-        }
-        let mut logits = logits.into_iter();
-        Ok(wanted.iter().map(|&w| if w { logits.next() } else { None }).collect())
+        let logits = match (wanted, all_logits) {
+            (false, _) => None,
+            (true, true) => Some(self.lm_head.forward(&self.norm.forward(&x)?)?.squeeze(0)?),
+            (true, false) => Some(self.lm_head.forward(&self.norm.forward(&x.narrow(1, seq - 1, 1)?.contiguous()?)?)?.squeeze(0)?.squeeze(0)?),
+        };
+        let logits = logits.map(|t| t.to_dtype(DType::F32)).transpose()?;
+        cache.commit(ids);
+        Ok(logits)
     }
 
-    fn layer_forward(&self, index: usize, layer: &Layer, x: &Tensor, parts: &[Chunk<'_>]) -> Result<Tensor> {
+    fn layer_forward(&self, index: usize, layer: &Layer, x: &Tensor, cache: &KvCache, mask: Option<&Tensor>, rope: &(Tensor, Tensor)) -> Result<Tensor> {
         let h = layer.input_layernorm.forward(x)?;
-        let h = self.attention(index, &layer.attn, &h, parts)?;
+        let h = self.attention(index, &layer.attn, &h, cache, mask, rope)?;
         let x = (x + h)?;
         let h = layer.post_attention_layernorm.forward(&x)?;
         let m = &layer.mlp;
@@ -490,27 +463,12 @@ impl Llama {
         Ok((x + m.down_proj.forward(&h)?)?)
     }
 
-    /// Attention of every chunk over its own cache; x holds the chunks' rows in order.
-    fn attention(&self, index: usize, a: &Attention, x: &Tensor, parts: &[Chunk<'_>]) -> Result<Tensor> {
-        let qkv = a.qkv.forward(x)?;
-        let mut ys = parts
-            .iter()
-            .map(|p| {
-                let qkv = if parts.len() == 1 { qkv.clone() } else { qkv.narrow(1, p.rows.start, p.rows.len())? };
-                self.attend_chunk(index, &qkv, p)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let y = if ys.len() == 1 { ys.pop().expect("one chunk") } else { Tensor::cat(&ys, 1)? };
-        Ok(a.o_proj.forward(&y)?)
-    }
-
-    /// One chunk's attention: its rows of the q/k/v product in, the heads' outputs
-    /// (1, seq, heads * head_dim) out; writes its keys and values to its cache.
-    fn attend_chunk(&self, index: usize, qkv: &Tensor, p: &Chunk<'_>) -> Result<Tensor> {
+    /// A chunk's attention over its cache (its keys and values written there first).
+    fn attention(&self, index: usize, a: &Attention, x: &Tensor, cache: &KvCache, mask: Option<&Tensor>, rope: &(Tensor, Tensor)) -> Result<Tensor> {
         let c = &self.config;
+        let qkv = a.qkv.forward(x)?;
         let (b, seq, _) = qkv.dims3()?;
         let (heads, kv_heads, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let (cache, mask, rope) = (p.cache, p.mask.as_ref(), &p.rope);
         let offset = cache.len();
         let split = |t: Tensor, n: usize| -> candle_core::Result<Tensor> { t.reshape((b, seq, n, d))?.transpose(1, 2)?.contiguous() };
         let q = Rope::apply(&split(qkv.narrow(2, 0, heads * d)?, heads)?, rope)?;
@@ -536,7 +494,8 @@ impl Llama {
         };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         let y = att.matmul(&v)?.to_dtype(self.dtype)?;
-        Ok(y.reshape((b, heads, seq, d))?.transpose(1, 2)?.reshape((b, seq, heads * d))?)
+        let y = y.reshape((b, heads, seq, d))?.transpose(1, 2)?.reshape((b, seq, heads * d))?;
+        Ok(a.o_proj.forward(&y)?)
     }
 }
 
@@ -624,29 +583,20 @@ pub(crate) fn token_ids(ids: &[i64], vocab: usize) -> Result<Vec<u32>> {
         .collect()
 }
 
-/// One sequence's chunk in a prefill pass: its rows of the pass, its cache (the chunk
-/// goes after its positions) and the chunk's mask and RoPE tables.
-struct Chunk<'a> {
-    rows: std::ops::Range<usize>,
-    cache: &'a KvCache,
-    mask: Option<Tensor>,
-    rope: (Tensor, Tensor),
-}
-
 /// The caches at `picked` (indices in increasing order), borrowed for one pass.
 fn subset<'c>(caches: &'c mut [&mut KvCache], picked: &[usize]) -> Vec<&'c mut KvCache> {
     caches.iter_mut().enumerate().filter(|(b, _)| picked.contains(b)).map(|(_, c)| &mut **c).collect()
 }
 
-/// `items` split, in order, into passes of at most `most` rows (an item of more rows
-/// alone in its pass).
-fn passes(items: &[usize], rows: impl Fn(usize) -> usize, most: usize) -> Vec<Vec<usize>> {
+/// `items` split, in order, into passes of at most [`PREFILL_ROWS`] rows (an item of more
+/// rows alone in its pass).
+fn passes(items: &[usize], rows: impl Fn(usize) -> usize) -> Vec<Vec<usize>> {
     let mut out: Vec<Vec<usize>> = Vec::new();
     let mut filled = 0;
     for &b in items {
         let n = rows(b);
         match out.last_mut() {
-            Some(pass) if filled + n <= most => pass.push(b),
+            Some(pass) if filled + n <= PREFILL_ROWS => pass.push(b),
             _ => {
                 out.push(vec![b]);
                 filled = 0;
