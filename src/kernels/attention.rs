@@ -17,7 +17,10 @@
 //! version chosen at run time; aarch64's NEON is always there); with AVX-512 a task works
 //! on blocks of 16 positions, scoring 16 keys into one register by a transposing
 //! reduction. A float16 cache is widened to float32 a block (or a chunk) at a time, in
-//! a buffer of the thread, never as a whole.
+//! a buffer of the thread, never as a whole. Keys of the 8-bit cache are instead
+//! transposed as they are widened (positions in lanes, AVX-512 and AVX2), so that their
+//! scores are plain FMAs with no horizontal sums: with many rows on one block (forks of
+//! a long prompt) the sums were 40 % of the scoring instructions.
 //!
 //! Many new positions at once (a prefill chunk) take [`prefill_attention`]: a task takes
 //! one KV head and a block of [`BLOCK`] consecutive query positions, computes the scores
@@ -32,6 +35,7 @@ use std::sync::OnceLock;
 use half::slice::HalfFloatSliceExt;
 use half::f16;
 
+use crate::kernels::kv8::{Q8Block, QK};
 use crate::kernels::matvec::kernel;
 use crate::kernels::team::{Shards, Team};
 
@@ -157,6 +161,11 @@ pub trait Stored: Copy + Send + Sync + 'static {
     fn as_f32(s: &[Self]) -> Option<&[f32]>;
     /// `src` as float32 into `dst` (`PER` values per element).
     fn widen_into(src: &[Self], dst: &mut [f32]);
+    /// The same elements as the 8-bit cache's blocks, where they are (the AVX-512 task
+    /// scores those keys from a transposed block, [`Lanes::score_q8`]).
+    fn as_q8(_: &[Self]) -> Option<&[Q8Block]> {
+        None
+    }
 }
 
 impl Stored for f32 {
@@ -320,6 +329,20 @@ trait Lanes {
     /// `i0`).
     #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize);
+    /// Whether keys in 8-bit blocks are scored from a transposed block
+    /// ([`Lanes::q8_keys`], [`Lanes::score_q8`]) rather than from widened rows.
+    const Q8_TRANSPOSED: bool = false;
+    /// The block's `m` key rows of 8-bit blocks (`rows`: m × d / 32 blocks) into `block`:
+    /// dimension c's values of the `LANES` positions at `block[c * LANES..]` as float32
+    /// integers (unscaled, zero past m), then each group of 32 dimensions' scales at
+    /// `block[d * LANES + g * LANES..]`.
+    unsafe fn q8_keys(_rows: &[Q8Block], _m: usize, _d: usize, _block: &mut [f32]) {
+        unreachable!("no transposed 8-bit keys on this path")
+    }
+    /// [`Lanes::score`] over a block [`Lanes::q8_keys`] wrote.
+    unsafe fn score_q8(_q: &[f32], _block: *const f32, _d: usize, _m: usize, _out: *mut f32, _stride: usize) {
+        unreachable!("no transposed 8-bit keys on this path")
+    }
 }
 
 /// The AVX-512 task: blocks of 16 positions; head sizes that are a multiple of 64.
@@ -338,6 +361,24 @@ impl Lanes for Avx512 {
     #[inline(always)]
     unsafe fn score(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
         score16(q, k, d, m, out, stride)
+    }
+    const Q8_TRANSPOSED: bool = true;
+    #[inline(always)]
+    unsafe fn q8_keys(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
+        q8_keys16(rows, m, d, block)
+    }
+    #[inline(always)]
+    unsafe fn score_q8(q: &[f32], block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+        let heads = q.len() / d;
+        for r0 in (0..heads).step_by(4) {
+            let (q, out) = (&q[r0 * d..], out.add(r0 * stride));
+            match heads - r0 {
+                1 => score_q8_16::<1>(q, block, d, m, out, stride),
+                2 => score_q8_16::<2>(q, block, d, m, out, stride),
+                3 => score_q8_16::<3>(q, block, d, m, out, stride),
+                _ => score_q8_16::<4>(q, block, d, m, out, stride),
+            }
+        }
     }
     #[inline(always)]
     unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize) {
@@ -372,6 +413,88 @@ unsafe fn score16(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, s
         }
         let s = _mm512_mul_ps(reduce16(&acc), scale);
         let o = out.add(r * stride);
+        if m == LANES {
+            _mm512_storeu_ps(o, s);
+        } else {
+            _mm512_mask_storeu_ps(o, ((1u32 << m) - 1) as u16, s);
+        }
+    }
+}
+
+/// [`Avx512`]'s transposed 8-bit keys ([`Lanes::q8_keys`]): for each group of 32
+/// dimensions, the 16 rows' 32 int8 values are 16 × 8 dwords, transposed in registers
+/// (rows i and i + 8 side by side in one register, an 8 × 8 transpose in each half) into
+/// 8 registers of one dword (4 dimensions) per position, whose bytes are then
+/// sign-extended and converted: 4 instructions or fewer per 16 values, and no horizontal
+/// sums when the block is scored.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by dword
+unsafe fn q8_keys16(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let groups = d / QK;
+    debug_assert!(rows.len() == m * groups && m <= LANES && block.len() >= LANES * (d + groups));
+    let out = block.as_mut_ptr();
+    for g in 0..groups {
+        let row = |j: usize| if j < m { _mm256_loadu_si256(rows[j * groups + g].values().as_ptr() as *const __m256i) } else { _mm256_setzero_si256() };
+        let z: [__m512i; 8] = std::array::from_fn(|i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(row(i)), row(i + 8)));
+        // per 128-bit lane: dwords [a0 b0 a1 b1] and [a2 b2 a3 b3] of rows a, b
+        let t: [__m512i; 8] = std::array::from_fn(|i| {
+            let (a, b) = (z[i & !1], z[i | 1]);
+            if i % 2 == 0 { _mm512_unpacklo_epi32(a, b) } else { _mm512_unpackhi_epi32(a, b) }
+        });
+        // u[k] (k < 4): dword k of rows 0-3 of each half in its first 128-bit lane, dword
+        // k + 4 in its second; u[4 + k] the same of rows 4-7
+        let u: [__m512i; 8] = std::array::from_fn(|i| {
+            let (a, b) = (t[(i / 4) * 4 + (i % 4) / 2], t[(i / 4) * 4 + (i % 4) / 2 + 2]);
+            if i % 2 == 0 { _mm512_unpacklo_epi64(a, b) } else { _mm512_unpackhi_epi64(a, b) }
+        });
+        for k in 0..8 {
+            // dword k of the 16 rows, in row order: four 128-bit lanes of u[k % 4], u[4 + k % 4]
+            let (a, b) = (u[k % 4], u[4 + k % 4]);
+            let idx = if k < 4 { _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13) } else { _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15) };
+            let x = _mm512_permutex2var_epi64(a, idx, b);
+            let dims = out.add((g * QK + 4 * k) * LANES);
+            _mm512_storeu_ps(dims, _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(x))));
+            _mm512_storeu_ps(dims.add(LANES), _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<16>(x))));
+            _mm512_storeu_ps(dims.add(2 * LANES), _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<8>(x))));
+            _mm512_storeu_ps(dims.add(3 * LANES), _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(x)));
+        }
+        let scales: [f32; LANES] = std::array::from_fn(|j| if j < m { rows[j * groups + g].scale() } else { 0.0 });
+        _mm512_storeu_ps(out.add(d * LANES + g * LANES), _mm512_loadu_ps(scales.as_ptr()));
+    }
+}
+
+/// [`Avx512`]'s scores of `G` query heads over a block of transposed 8-bit keys: per
+/// group of 32 dimensions, each head's 16 scores in 4 registers of FMAs (a query value
+/// broadcast against one dimension's 16 positions), summed and multiplied by the group's
+/// scales.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by head
+unsafe fn score_q8_16<const G: usize>(q: &[f32], block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+    use std::arch::x86_64::*;
+    let mut total = [_mm512_setzero_ps(); G];
+    for g in 0..d / QK {
+        let mut acc = [[_mm512_setzero_ps(); 4]; G];
+        for c0 in (g * QK..(g + 1) * QK).step_by(4) {
+            for b in 0..4 {
+                let k = _mm512_loadu_ps(block.add((c0 + b) * LANES));
+                for h in 0..G {
+                    acc[h][b] = _mm512_fmadd_ps(k, _mm512_set1_ps(*q.get_unchecked(h * d + c0 + b)), acc[h][b]);
+                }
+            }
+        }
+        let s = _mm512_loadu_ps(block.add(d * LANES + g * LANES));
+        for h in 0..G {
+            let sum = _mm512_add_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_add_ps(acc[h][2], acc[h][3]));
+            total[h] = if g == 0 { _mm512_mul_ps(sum, s) } else { _mm512_fmadd_ps(sum, s, total[h]) };
+        }
+    }
+    let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
+    for h in 0..G {
+        let s = _mm512_mul_ps(total[h], scale);
+        let o = out.add(h * stride);
         if m == LANES {
             _mm512_storeu_ps(o, s);
         } else {
@@ -426,7 +549,9 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>],
         let (scores, block) = (&mut scores_buffer, &mut block_buffer);
         scores.clear();
         scores.resize(total, 0.0);
-        block.resize(lanes * d, 0.0);
+        // 8-bit keys scored from a transposed block (its scales after it)
+        let transposed = L::Q8_TRANSPOSED && T::as_q8(&[]).is_some();
+        block.resize(lanes * (d + d / QK), 0.0);
         let mut ahead = Ahead::default();
         for i0 in (0..longest).step_by(lanes) {
             // the block whose rows `k` points at: (first stored element, rows)
@@ -436,7 +561,13 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>],
                 let (n, m) = (s.len(), lanes.min(s.len() - i0));
                 let (keys, values) = group(r, i0);
                 if held != Some((keys.as_ptr(), m)) {
-                    k = block_rows(keys, m, lanes, d, block);
+                    k = match T::as_q8(keys) {
+                        Some(rows) if transposed => {
+                            L::q8_keys(rows, m, d, block);
+                            block.as_ptr()
+                        }
+                        _ => block_rows(keys, m, lanes, d, &mut block[..lanes * d]),
+                    };
                     let later = i0 + L::AHEAD * lanes;
                     if later < n {
                         ahead.queue(group(r, later).0, true);
@@ -446,7 +577,12 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>],
                 }
                 ahead.issue(rows_left);
                 rows_left -= 1;
-                L::score(qs[r], k, d, m, scores.as_mut_ptr().add(offsets[r] + i0), n);
+                let out = scores.as_mut_ptr().add(offsets[r] + i0);
+                if transposed {
+                    L::score_q8(qs[r], k, d, m, out, n);
+                } else {
+                    L::score(qs[r], k, d, m, out, n);
+                }
             }
         }
         let mut parts = Partials::new(spans.len() * n_rep, d);
@@ -461,7 +597,7 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>],
                 let values = group(r, i0).1;
                 if held != Some((values.as_ptr(), m)) {
                     // positions past m have zero rows (and their scores are never read)
-                    v = block_rows(values, m, lanes, d, block);
+                    v = block_rows(values, m, lanes, d, &mut block[..lanes * d]);
                     held = Some((values.as_ptr(), m));
                 }
                 L::accumulate(&mut parts.acc[r * n_rep * d..(r + 1) * n_rep * d], &scores[offsets[r]..], s.len(), i0, m, v, d);
@@ -625,6 +761,22 @@ impl Lanes for Avx2 {
     unsafe fn score(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
         score8(q, k, d, m, out, stride)
     }
+    const Q8_TRANSPOSED: bool = true;
+    #[inline(always)]
+    unsafe fn q8_keys(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
+        q8_keys8(rows, m, d, block)
+    }
+    #[inline(always)]
+    unsafe fn score_q8(q: &[f32], block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+        let heads = q.len() / d;
+        for r0 in (0..heads).step_by(2) {
+            let (q, out) = (&q[r0 * d..], out.add(r0 * stride));
+            match heads - r0 {
+                1 => score_q8_8::<1>(q, block, d, m, out, stride),
+                _ => score_q8_8::<2>(q, block, d, m, out, stride),
+            }
+        }
+    }
     #[inline(always)]
     unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize) {
         let heads = acc.len() / d;
@@ -657,6 +809,80 @@ unsafe fn score8(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, st
         }
         let s = _mm256_mul_ps(reduce8(&acc), scale);
         let o = out.add(r * stride);
+        if m == LANES8 {
+            _mm256_storeu_ps(o, s);
+        } else {
+            let mut lanes = [0f32; LANES8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), s);
+            std::ptr::copy_nonoverlapping(lanes.as_ptr(), o, m);
+        }
+    }
+}
+
+/// [`Avx2`]'s transposed 8-bit keys ([`Lanes::q8_keys`]): [`q8_keys16`] with 8 rows,
+/// one 8 × 8 dword transpose per group of 32 dimensions.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by dword
+unsafe fn q8_keys8(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let groups = d / QK;
+    debug_assert!(rows.len() == m * groups && m <= LANES8 && block.len() >= LANES8 * (d + groups));
+    let out = block.as_mut_ptr();
+    for g in 0..groups {
+        let r: [__m256i; 8] =
+            std::array::from_fn(|j| if j < m { _mm256_loadu_si256(rows[j * groups + g].values().as_ptr() as *const __m256i) } else { _mm256_setzero_si256() });
+        let t: [__m256i; 8] = std::array::from_fn(|i| {
+            let (a, b) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 { _mm256_unpacklo_epi32(a, b) } else { _mm256_unpackhi_epi32(a, b) }
+        });
+        // u[k] (k < 4): dword k of rows 0-3 in its first 128-bit lane, dword k + 4 in its
+        // second; u[4 + k] the same of rows 4-7
+        let u: [__m256i; 8] = std::array::from_fn(|i| {
+            let (a, b) = (t[(i / 4) * 4 + (i % 4) / 2], t[(i / 4) * 4 + (i % 4) / 2 + 2]);
+            if i % 2 == 0 { _mm256_unpacklo_epi64(a, b) } else { _mm256_unpackhi_epi64(a, b) }
+        });
+        for k in 0..8 {
+            let (a, b) = (u[k % 4], u[4 + k % 4]);
+            let x = if k < 4 { _mm256_permute2x128_si256::<0x20>(a, b) } else { _mm256_permute2x128_si256::<0x31>(a, b) };
+            let dims = out.add((g * QK + 4 * k) * LANES8);
+            _mm256_storeu_ps(dims, _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(x))));
+            _mm256_storeu_ps(dims.add(LANES8), _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(_mm256_slli_epi32::<16>(x))));
+            _mm256_storeu_ps(dims.add(2 * LANES8), _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(_mm256_slli_epi32::<8>(x))));
+            _mm256_storeu_ps(dims.add(3 * LANES8), _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(x)));
+        }
+        let scales: [f32; LANES8] = std::array::from_fn(|j| if j < m { rows[j * groups + g].scale() } else { 0.0 });
+        _mm256_storeu_ps(out.add(d * LANES8 + g * LANES8), _mm256_loadu_ps(scales.as_ptr()));
+    }
+}
+
+/// [`score_q8_16`] with AVX2's sixteen registers: up to 2 query heads at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by head
+unsafe fn score_q8_8<const G: usize>(q: &[f32], block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+    use std::arch::x86_64::*;
+    let mut total = [_mm256_setzero_ps(); G];
+    for g in 0..d / QK {
+        let mut acc = [[_mm256_setzero_ps(); 4]; G];
+        for c0 in (g * QK..(g + 1) * QK).step_by(4) {
+            for b in 0..4 {
+                let k = _mm256_loadu_ps(block.add((c0 + b) * LANES8));
+                for h in 0..G {
+                    acc[h][b] = _mm256_fmadd_ps(k, _mm256_set1_ps(*q.get_unchecked(h * d + c0 + b)), acc[h][b]);
+                }
+            }
+        }
+        let s = _mm256_loadu_ps(block.add(d * LANES8 + g * LANES8));
+        for h in 0..G {
+            let sum = _mm256_add_ps(_mm256_add_ps(acc[h][0], acc[h][1]), _mm256_add_ps(acc[h][2], acc[h][3]));
+            total[h] = if g == 0 { _mm256_mul_ps(sum, s) } else { _mm256_fmadd_ps(sum, s, total[h]) };
+        }
+    }
+    let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
+    for h in 0..G {
+        let s = _mm256_mul_ps(total[h], scale);
+        let o = out.add(h * stride);
         if m == LANES8 {
             _mm256_storeu_ps(o, s);
         } else {

@@ -62,6 +62,12 @@ impl Q8Block {
         }
     }
 
+    /// The int8 values (each times [`Q8Block::scale`] is a stored value).
+    #[inline(always)]
+    pub fn values(&self) -> &[i8; QK] {
+        &self.qs
+    }
+
     /// The stored values as float32 (exact: an int8 times a float16 fits float32).
     fn widen(&self, dst: &mut [f32]) {
         let s = self.scale();
@@ -157,6 +163,9 @@ impl Stored for Q8Block {
     }
     fn widen_into(src: &[Q8Block], dst: &mut [f32]) {
         widen_into(src, dst);
+    }
+    fn as_q8(s: &[Q8Block]) -> Option<&[Q8Block]> {
+        Some(s)
     }
 }
 
