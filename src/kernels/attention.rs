@@ -38,6 +38,8 @@ use half::f16;
 use crate::kernels::kv8::{Q8Block, QK};
 use crate::kernels::matvec::kernel;
 use crate::kernels::team::{Shards, Team};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::transpose::{dwords_16x8, dwords_8x8};
 
 /// Positions per task: enough work to be worth a hand-off, few enough to spread a
 /// 2,048-position cache of 3 KV heads over many threads.
@@ -423,10 +425,9 @@ unsafe fn score16(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, s
 
 /// [`Avx512`]'s transposed 8-bit keys ([`Lanes::q8_keys`]): for each group of 32
 /// dimensions, the 16 rows' 32 int8 values are 16 × 8 dwords, transposed in registers
-/// (rows i and i + 8 side by side in one register, an 8 × 8 transpose in each half) into
-/// 8 registers of one dword (4 dimensions) per position, whose bytes are then
-/// sign-extended and converted: 4 instructions or fewer per 16 values, and no horizontal
-/// sums when the block is scored.
+/// ([`dwords_16x8`]) into 8 registers of one dword (4 dimensions) per position, whose
+/// bytes are then sign-extended and converted: 4 instructions or fewer per 16 values,
+/// and no horizontal sums when the block is scored.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by dword
@@ -436,24 +437,9 @@ unsafe fn q8_keys16(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
     debug_assert!(rows.len() == m * groups && m <= LANES && block.len() >= LANES * (d + groups));
     let out = block.as_mut_ptr();
     for g in 0..groups {
-        let row = |j: usize| if j < m { _mm256_loadu_si256(rows[j * groups + g].values().as_ptr() as *const __m256i) } else { _mm256_setzero_si256() };
-        let z: [__m512i; 8] = std::array::from_fn(|i| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(row(i)), row(i + 8)));
-        // per 128-bit lane: dwords [a0 b0 a1 b1] and [a2 b2 a3 b3] of rows a, b
-        let t: [__m512i; 8] = std::array::from_fn(|i| {
-            let (a, b) = (z[i & !1], z[i | 1]);
-            if i % 2 == 0 { _mm512_unpacklo_epi32(a, b) } else { _mm512_unpackhi_epi32(a, b) }
-        });
-        // u[k] (k < 4): dword k of rows 0-3 of each half in its first 128-bit lane, dword
-        // k + 4 in its second; u[4 + k] the same of rows 4-7
-        let u: [__m512i; 8] = std::array::from_fn(|i| {
-            let (a, b) = (t[(i / 4) * 4 + (i % 4) / 2], t[(i / 4) * 4 + (i % 4) / 2 + 2]);
-            if i % 2 == 0 { _mm512_unpacklo_epi64(a, b) } else { _mm512_unpackhi_epi64(a, b) }
-        });
-        for k in 0..8 {
-            // dword k of the 16 rows, in row order: four 128-bit lanes of u[k % 4], u[4 + k % 4]
-            let (a, b) = (u[k % 4], u[4 + k % 4]);
-            let idx = if k < 4 { _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13) } else { _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15) };
-            let x = _mm512_permutex2var_epi64(a, idx, b);
+        let r: [__m256i; 16] =
+            std::array::from_fn(|j| if j < m { _mm256_loadu_si256(rows[j * groups + g].values().as_ptr() as *const __m256i) } else { _mm256_setzero_si256() });
+        for (k, &x) in dwords_16x8(&r).iter().enumerate() {
             let dims = out.add((g * QK + 4 * k) * LANES);
             _mm512_storeu_ps(dims, _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(x))));
             _mm512_storeu_ps(dims.add(LANES), _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<16>(x))));
@@ -820,7 +806,7 @@ unsafe fn score8(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, st
 }
 
 /// [`Avx2`]'s transposed 8-bit keys ([`Lanes::q8_keys`]): [`q8_keys16`] with 8 rows,
-/// one 8 × 8 dword transpose per group of 32 dimensions.
+/// one 8 × 8 dword transpose ([`dwords_8x8`]) per group of 32 dimensions.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by dword
@@ -832,19 +818,7 @@ unsafe fn q8_keys8(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
     for g in 0..groups {
         let r: [__m256i; 8] =
             std::array::from_fn(|j| if j < m { _mm256_loadu_si256(rows[j * groups + g].values().as_ptr() as *const __m256i) } else { _mm256_setzero_si256() });
-        let t: [__m256i; 8] = std::array::from_fn(|i| {
-            let (a, b) = (r[i & !1], r[i | 1]);
-            if i % 2 == 0 { _mm256_unpacklo_epi32(a, b) } else { _mm256_unpackhi_epi32(a, b) }
-        });
-        // u[k] (k < 4): dword k of rows 0-3 in its first 128-bit lane, dword k + 4 in its
-        // second; u[4 + k] the same of rows 4-7
-        let u: [__m256i; 8] = std::array::from_fn(|i| {
-            let (a, b) = (t[(i / 4) * 4 + (i % 4) / 2], t[(i / 4) * 4 + (i % 4) / 2 + 2]);
-            if i % 2 == 0 { _mm256_unpacklo_epi64(a, b) } else { _mm256_unpackhi_epi64(a, b) }
-        });
-        for k in 0..8 {
-            let (a, b) = (u[k % 4], u[4 + k % 4]);
-            let x = if k < 4 { _mm256_permute2x128_si256::<0x20>(a, b) } else { _mm256_permute2x128_si256::<0x31>(a, b) };
+        for (k, &x) in dwords_8x8(&r).iter().enumerate() {
             let dims = out.add((g * QK + 4 * k) * LANES8);
             _mm256_storeu_ps(dims, _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(x))));
             _mm256_storeu_ps(dims.add(LANES8), _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(_mm256_slli_epi32::<16>(x))));

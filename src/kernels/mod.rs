@@ -11,3 +11,4 @@ pub mod kv8;
 pub mod matvec;
 pub mod qmatvec;
 pub mod team;
+pub mod transpose;
