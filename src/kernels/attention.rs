@@ -163,8 +163,8 @@ pub trait Stored: Copy + Send + Sync + 'static {
     fn as_f32(s: &[Self]) -> Option<&[f32]>;
     /// `src` as float32 into `dst` (`PER` values per element).
     fn widen_into(src: &[Self], dst: &mut [f32]);
-    /// The same elements as the 8-bit cache's blocks, where they are (the AVX-512 task
-    /// scores those keys from a transposed block, [`Lanes::score_q8`]).
+    /// The same elements as the 8-bit cache's blocks, where they are (the AVX-512 and
+    /// AVX2 tasks score those keys from a transposed block, [`Lanes::score_q8`]).
     fn as_q8(_: &[Self]) -> Option<&[Q8Block]> {
         None
     }
@@ -430,7 +430,6 @@ unsafe fn score16(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, s
 /// and no horizontal sums when the block is scored.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::needless_range_loop)] // register arrays indexed by dword
 unsafe fn q8_keys16(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
     use std::arch::x86_64::*;
     let groups = d / QK;
@@ -809,7 +808,6 @@ unsafe fn score8(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, st
 /// one 8 × 8 dword transpose ([`dwords_8x8`]) per group of 32 dimensions.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::needless_range_loop)] // register arrays indexed by dword
 unsafe fn q8_keys8(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
     use std::arch::x86_64::*;
     let groups = d / QK;
