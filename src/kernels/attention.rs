@@ -35,7 +35,9 @@ use std::sync::OnceLock;
 use half::slice::HalfFloatSliceExt;
 use half::f16;
 
-use crate::kernels::kv8::{Q8Block, QK};
+use crate::kernels::kv8::Q8Block;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::kv8::QK;
 use crate::kernels::matvec::kernel;
 use crate::kernels::team::{Shards, Team};
 #[cfg(target_arch = "x86_64")]
