@@ -333,20 +333,14 @@ trait Lanes {
     /// `i0`).
     #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize);
-    /// Whether keys in 8-bit blocks are scored from a transposed block
-    /// ([`Lanes::q8_keys`], [`Lanes::score_q8`]) rather than from widened rows.
-    const Q8_TRANSPOSED: bool = false;
-    /// The block's `m` key rows of 8-bit blocks (`rows`: m × d / 32 blocks) into `block`:
-    /// dimension c's values of the `LANES` positions at `block[c * LANES..]` as float32
-    /// integers (unscaled, zero past m), then each group of 32 dimensions' scales at
+    /// Keys in 8-bit blocks are scored from a transposed block, not from widened rows:
+    /// the block's `m` key rows (`rows`: m × d / 32 blocks) into `block`, dimension c's
+    /// values of the `LANES` positions at `block[c * LANES..]` as float32 integers
+    /// (unscaled, zero past m), then each group of 32 dimensions' scales at
     /// `block[d * LANES + g * LANES..]`.
-    unsafe fn q8_keys(_rows: &[Q8Block], _m: usize, _d: usize, _block: &mut [f32]) {
-        unreachable!("no transposed 8-bit keys on this path")
-    }
+    unsafe fn q8_keys(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]);
     /// [`Lanes::score`] over a block [`Lanes::q8_keys`] wrote.
-    unsafe fn score_q8(_q: &[f32], _block: *const f32, _d: usize, _m: usize, _out: *mut f32, _stride: usize) {
-        unreachable!("no transposed 8-bit keys on this path")
-    }
+    unsafe fn score_q8(q: &[f32], block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize);
 }
 
 /// The AVX-512 task: blocks of 16 positions; head sizes that are a multiple of 64.
@@ -366,7 +360,6 @@ impl Lanes for Avx512 {
     unsafe fn score(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
         score16(q, k, d, m, out, stride)
     }
-    const Q8_TRANSPOSED: bool = true;
     #[inline(always)]
     unsafe fn q8_keys(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
         q8_keys16(rows, m, d, block)
@@ -537,7 +530,7 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>],
         scores.clear();
         scores.resize(total, 0.0);
         // 8-bit keys scored from a transposed block (its scales after it)
-        let transposed = L::Q8_TRANSPOSED && T::as_q8(&[]).is_some();
+        let transposed = T::as_q8(&[]).is_some();
         block.resize(lanes * (d + d / QK), 0.0);
         let mut ahead = Ahead::default();
         for i0 in (0..longest).step_by(lanes) {
@@ -549,7 +542,7 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>],
                 let (keys, values) = group(r, i0);
                 if held != Some((keys.as_ptr(), m)) {
                     k = match T::as_q8(keys) {
-                        Some(rows) if transposed => {
+                        Some(rows) => {
                             L::q8_keys(rows, m, d, block);
                             block.as_ptr()
                         }
@@ -748,7 +741,6 @@ impl Lanes for Avx2 {
     unsafe fn score(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
         score8(q, k, d, m, out, stride)
     }
-    const Q8_TRANSPOSED: bool = true;
     #[inline(always)]
     unsafe fn q8_keys(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
         q8_keys8(rows, m, d, block)
