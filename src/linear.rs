@@ -262,6 +262,17 @@ impl View<'_> {
         }
     }
 
+    /// Rows the kernels take at once: ranges of rows that are multiples of it run whole
+    /// groups only ([`QMatrix::row_group`]; float32: groups of four).
+    pub fn row_group(&self) -> usize {
+        match self {
+            View::Float { .. } => 4,
+            View::Quantized(q) => q.row_group(),
+            // powers of two: the largest is a multiple of every other
+            View::Stack(v) => v.iter().map(|(_, p)| p.row_group()).max().unwrap_or(1),
+        }
+    }
+
     /// `out[i] = W[first + i] · x` with the kernels this CPU runs.
     pub fn mul_rows(&self, input: &Input<'_>, first: usize, out: &mut [f32]) {
         match self {

@@ -282,6 +282,20 @@ impl QMatrix {
         }
     }
 
+    /// Rows the kernels take at once, one row per 32-bit lane ([`QMatrix::rows_in_lanes`]):
+    /// a caller that splits a matrix into ranges of rows should make each range a multiple
+    /// of it. A range that ends inside a group still gives the same results (a row's
+    /// arithmetic is its lane's), but its last group costs as much as a whole one and is
+    /// read with gathers: ranges of 36 rows (the o and down matrices' tasks on 2 threads)
+    /// made the quantized products up to 45 % slower (`examples/qproducts_probe.rs`).
+    pub fn row_group(&self) -> usize {
+        match self.kind {
+            QKind::Blocks(Format::Q4_0 | Format::Q4_1) | QKind::Q8_0 if has_vnni() => 16,
+            QKind::Blocks(Format::Q4_0 | Format::Q4_1) if cfg!(target_arch = "x86_64") && simd() => 8,
+            _ => 1,
+        }
+    }
+
     /// [`QMatrix::rows_q8`] for the formats with rows-in-lanes kernels (Q4_0, Q4_1; Q8_0
     /// with VNNI); false for the others.
     #[cfg(target_arch = "x86_64")]

@@ -149,10 +149,10 @@ fn view(l: &Linear) -> Result<View<'_>> {
     l.view().ok_or_else(|| Error::Engine(candle_core::Error::Msg("a linear layer of a float32 CPU model is not float32 in CPU memory".into())))
 }
 
-/// Rows per task: several tasks per thread (so a slow thread is balanced out), a
-/// multiple of four (the kernels' row group), at most [`MAX_ROWS_PER_TASK`].
-fn rows_per_task(rows: usize, threads: usize) -> usize {
-    (rows / (threads * 8)).next_multiple_of(4).clamp(16, MAX_ROWS_PER_TASK)
+/// Rows per task of `w`: several tasks per thread (so a slow thread is balanced out), a
+/// multiple of the kernels' row group ([`View::row_group`]), at most [`MAX_ROWS_PER_TASK`].
+fn rows_per_task(w: &View<'_>, rows: usize, threads: usize) -> usize {
+    (rows / (threads * 8)).next_multiple_of(w.row_group().max(4)).clamp(16, MAX_ROWS_PER_TASK)
 }
 
 /// `out[b] = W x[b]` (or `out[b] += W x[b]` with `add`) for every sequence b, rows split
@@ -160,7 +160,7 @@ fn rows_per_task(rows: usize, threads: usize) -> usize {
 fn products(team: &Team, w: &View<'_>, inputs: &[Input<'_>], outs: &mut [Vec<f32>], add: bool) {
     let n = w.out_features();
     debug_assert!(outs.iter().all(|o| o.len() == n));
-    let per = rows_per_task(n, team.threads());
+    let per = rows_per_task(w, n, team.threads());
     let shards: Vec<Shards<'_, f32>> = outs.iter_mut().map(|o| Shards::new(o)).collect();
     team.run(n.div_ceil(per), &|t| {
         let rows = t * per..((t + 1) * per).min(n);
@@ -185,7 +185,7 @@ fn products(team: &Team, w: &View<'_>, inputs: &[Input<'_>], outs: &mut [Vec<f32
 fn gated(team: &Team, w: &View<'_>, inputs: &[Input<'_>], hs: &mut [Vec<f32>]) {
     let n = w.out_features() / 2;
     debug_assert!(hs.iter().all(|h| h.len() == n));
-    let per = rows_per_task(n, team.threads());
+    let per = rows_per_task(w, n, team.threads());
     let shards: Vec<Shards<'_, f32>> = hs.iter_mut().map(|h| Shards::new(h)).collect();
     team.run(n.div_ceil(per), &|t| {
         let rows = t * per..((t + 1) * per).min(n);
