@@ -35,6 +35,7 @@ use std::sync::OnceLock;
 use half::slice::HalfFloatSliceExt;
 use half::f16;
 
+use crate::kernels::activation::exp;
 use crate::kernels::kv8::Q8Block;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::kv8::QK;
@@ -1096,7 +1097,7 @@ fn softmax_prefix(s: &mut [f32], visible: usize) -> f32 {
         masked.fill(0.0);
         let max = max8(seen);
         for x in seen.iter_mut() {
-            *x = exp_nonpositive(*x - max);
+            *x = exp(*x - max);
         }
         sum8(seen)
     }
@@ -1129,31 +1130,10 @@ fn exponentiate(scores: &mut [f32], n: usize, maxima: &mut [f32], sums: &mut [f3
     for ((s, max), sum) in scores.chunks_exact_mut(n).zip(maxima.iter_mut()).zip(sums.iter_mut()) {
         let m = max8(s);
         for x in s.iter_mut() {
-            *x = exp_nonpositive(*x - m);
+            *x = exp(*x - m);
         }
         (*max, *sum) = (m, sum8(s));
     }
-}
-
-/// e^x for x <= 0 (a score minus the largest score), without a call to libm, so that a
-/// loop of them vectorizes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
-/// polynomial to degree 6 (relative error below 3e-7, two float32 ulps), 2^n put in the
-/// exponent bits.
-/// Values below -87 (where e^x leaves float32's normal range) give about 1e-38.
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    const LN2_HI: f32 = 0.693_145_75; // ln 2 split so that n * LN2_HI is exact
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let x = x.max(-87.0);
-    let t = x * std::f32::consts::LOG2_E + MAGIC;
-    let n = t - MAGIC;
-    let r = (x - n * LN2_HI) - n * LN2_LO;
-    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    // n (-126..=0) sits in t's low mantissa bits: integer arithmetic on the bits gives
-    // 2^n without a float-to-int conversion (which would not vectorize)
-    let exponent = t.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23;
-    p * f32::from_bits(exponent)
 }
 
 /// The largest of `x` (-inf when empty), with eight independent lanes.
@@ -1314,22 +1294,6 @@ pub(crate) mod tests {
             let got = prefill_attention_widened(&qs, seq, &half);
             assert_prefill_matches(&qs, seq, &got, &wide, &format!("prefill case {case}"));
         }
-    }
-
-    #[test]
-    fn exp_matches_float64() {
-        let mut worst = 0f64;
-        for i in 0..=200_000 {
-            let x = -(i as f32) * 90.0 / 200_000.0;
-            let want = (x as f64).exp();
-            let got = exp_nonpositive(x) as f64;
-            if x >= -87.0 {
-                worst = worst.max((got - want).abs() / want);
-            } else {
-                assert!(got <= 2e-38, "{x}: {got}");
-            }
-        }
-        assert!(worst < 3e-7, "relative error {worst}");
     }
 
     #[test]

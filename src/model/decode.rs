@@ -17,6 +17,7 @@
 use super::*;
 use crate::cache::attend_rows;
 use crate::linear::{Input, View};
+use crate::kernels::activation::silu_mul;
 use crate::kernels::team::{Shards, Team};
 use std::sync::OnceLock;
 
@@ -197,9 +198,7 @@ fn gated(team: &Team, w: &View<'_>, inputs: &[Input<'_>], hs: &mut [Vec<f32>]) {
         for (b, shards) in shards.iter().enumerate() {
             // SAFETY: tasks cover disjoint row ranges
             let out = unsafe { shards.part(rows.clone()) };
-            for ((o, g), u) in out.iter_mut().zip(&gate[b * len..][..len]).zip(&up[b * len..][..len]) {
-                *o = g / (1.0 + (-g).exp()) * u;
-            }
+            silu_mul(&gate[b * len..][..len], &up[b * len..][..len], out);
         }
     });
 }

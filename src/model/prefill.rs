@@ -12,6 +12,7 @@
 //! the pass (the products' rows are independent; see `Llama::run`).
 
 use super::*;
+use crate::kernels::activation::silu_mul;
 use crate::kernels::team::{Shards, Team};
 use crate::linear::Out;
 
@@ -72,9 +73,7 @@ impl Llama {
             layer.mlp.gate_up.product_into(&xn, into(&mut gate_up, 2 * inter, false))?;
             by_rows(team, &mut h, inter, |r, out| {
                 let (gate, up) = gate_up[r * 2 * inter..][..2 * inter].split_at(inter);
-                for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-                    *o = g / (1.0 + (-g).exp()) * u;
-                }
+                silu_mul(gate, up, out);
                 Ok(())
             })?;
             layer.mlp.down_proj.product_into(&h, into(&mut x, hidden, true))?;
