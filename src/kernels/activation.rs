@@ -3,7 +3,7 @@
 //! run time ([`crate::kernels::matvec::kernel`]). Each version runs the same arithmetic
 //! per element, so a row's result does not depend on the level's register width.
 
-use crate::kernels::matvec::{kernel, Kernel};
+use crate::kernels::matvec::kernel;
 
 /// e^x for x in [-87, 88] (outside, the value at the nearer end: about 1e-38 below, about
 /// 1.65e38 above), without a call to libm, so that a loop of them vectorizes: x = n ln2 +
@@ -34,10 +34,10 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     match kernel() {
         // SAFETY: the CPU has AVX-512F (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 => unsafe { silu_mul_avx512(gate, up, out) },
+        crate::kernels::matvec::Kernel::Avx512 => unsafe { silu_mul_avx512(gate, up, out) },
         // SAFETY: the CPU has AVX2 and FMA (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 => unsafe { silu_mul_avx2(gate, up, out) },
+        crate::kernels::matvec::Kernel::Avx2 => unsafe { silu_mul_avx2(gate, up, out) },
         _ => silu_mul_body(gate, up, out),
     }
 }
