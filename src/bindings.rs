@@ -160,7 +160,7 @@ impl Model {
     ) -> PyResult<Self> {
         let dev = parse_device(device).py_err(py)?;
         let dt = parse_dtype(dtype, &dev).py_err(py)?;
-        crate::kernels::matvec::forced().map_err(Error::Device).py_err(py)?;
+        crate::kernels::matvec::check_env().map_err(Error::Device).py_err(py)?;
         let report = |done: usize, total: usize| {
             if let Some(callback) = &progress {
                 // A failing callback must not fail the load; its error is dropped.
@@ -621,8 +621,16 @@ impl PySentencePiece {
 /// best this CPU runs, or the one `KVCANDLE_SIMD` forces.
 #[pyfunction]
 fn simd_level(py: Python<'_>) -> PyResult<&'static str> {
-    crate::kernels::matvec::forced().map_err(Error::Device).py_err(py)?;
+    crate::kernels::matvec::check_env().map_err(Error::Device).py_err(py)?;
     Ok(crate::kernels::matvec::kernel().short_name())
+}
+
+/// Where the float32 kernels' software prefetches put the weights (`l1` or `l2`): the
+/// CPU's default, or the one `KVCANDLE_PREFETCH` sets.
+#[pyfunction]
+fn prefetch_level(py: Python<'_>) -> PyResult<&'static str> {
+    crate::kernels::matvec::check_env().map_err(Error::Device).py_err(py)?;
+    Ok(crate::kernels::matvec::prefetch().short_name())
 }
 
 /// The SIMD levels this CPU runs, the best last.
@@ -646,7 +654,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(held_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
     m.add_function(wrap_pyfunction!(simd_levels, m)?)?;
+    m.add_function(wrap_pyfunction!(prefetch_level, m)?)?;
     m.add("SIMD_ENV", crate::kernels::matvec::SIMD_ENV)?;
+    m.add("PREFETCH_ENV", crate::kernels::matvec::PREFETCH_ENV)?;
     m.add("BLOCK_LEN", crate::cache::BLOCK_LEN)?;
     m.add("SMALL_CHUNK", crate::model::SMALL_CHUNK)?;
     m.add("PREFILL_CHUNK", crate::model::PREFILL_CHUNK)?;

@@ -6,6 +6,7 @@ level below the best; here: the level is reported, forced, and a bad value refus
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -72,3 +73,63 @@ def test_info_names_the_level():
     assert got.returncode == 0, got.stderr
     line = next(l for l in got.stdout.splitlines() if l.startswith("SIMD level"))
     assert kvcandle.simd_level() in line and kvcandle.SIMD_ENV in line
+
+
+# The float32 products' software prefetches (KVCANDLE_PREFETCH): either cache level gives
+# the same bits (a prefetch moves no data a kernel computes with), a bad value is refused
+# by name, and `info` names the level.
+PREFETCH_PROBE = """
+import kvcandle, numpy as np
+print(kvcandle.prefetch_level())
+model = kvcandle.load()
+base = model.new_cache()
+ids = model.tokenizer.encode("The capital of France is")
+model.forward(ids[:-1], base)
+caches = [base.fork() for _ in range(3)]
+logits = model.forward_batch([[ids[-1]], [ids[-1], 11], [7]], caches)
+print(np.concatenate([np.asarray(l, dtype=np.float32).ravel() for l in logits]).tobytes().hex())
+"""
+
+
+def run_prefetch(code: str, value: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != kvcandle.PREFETCH_ENV}
+    if value is not None:
+        env[kvcandle.PREFETCH_ENV] = value
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_prefetch_levels_give_the_same_bits():
+    got = {value: run_prefetch(PREFETCH_PROBE, value) for value in ("l1", "L2 ")}
+    for value, g in got.items():
+        assert g.returncode == 0, g.stderr
+        assert g.stdout.splitlines()[0] == value.strip().lower()
+    assert got["l1"].stdout.splitlines()[1] == got["L2 "].stdout.splitlines()[1]
+
+
+def test_the_default_prefetch_level_follows_the_cpu_vendor():
+    """The second level on AMD x86-64 CPUs, the first on any other (Intel, ARM)."""
+    got = run_prefetch("import kvcandle; print(kvcandle.prefetch_level())", None)
+    assert got.returncode == 0, got.stderr
+    amd = False
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        if not os.path.exists("/proc/cpuinfo"):
+            pytest.skip("the CPU vendor is read from /proc/cpuinfo (Linux) here")
+        with open("/proc/cpuinfo") as f:
+            amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
+    assert got.stdout.strip() == ("l2" if amd else "l1")
+
+
+@pytest.mark.parametrize("value", ["l3", "t0", "fast"])
+def test_a_bad_prefetch_level_is_refused_by_name(value):
+    code = "import kvcandle\nfor f in (kvcandle.load, kvcandle.prefetch_level):\n    try:\n        f()\n    except kvcandle.DeviceError as e:\n        print('DeviceError', e)\n"
+    got = run_prefetch(code, value)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.splitlines()
+    assert len(lines) == 2 and all(l.startswith("DeviceError") and f'{kvcandle.PREFETCH_ENV}="{value}"' in l and "l1 or l2" in l for l in lines), got.stdout
+
+
+def test_info_names_the_prefetch_level():
+    got = subprocess.run([sys.executable, "-m", "kvcandle", "info"], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    line = next(l for l in got.stdout.splitlines() if l.startswith("prefetch level"))
+    assert kvcandle.prefetch_level() in line and kvcandle.PREFETCH_ENV in line

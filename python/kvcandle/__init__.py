@@ -8,7 +8,7 @@
 """
 
 from . import upstream
-from ._core import BLOCK_LEN, PREFILL_CHUNK, PREFILL_ROWS, SIMD_ENV, SMALL_CHUNK, __version__, compiled_devices, simd_level, simd_levels
+from ._core import BLOCK_LEN, PREFETCH_ENV, PREFILL_CHUNK, PREFILL_ROWS, SIMD_ENV, SMALL_CHUNK, __version__, compiled_devices, prefetch_level, simd_level, simd_levels
 from ._default import default_model_path
 from .beam import beam_search
 from .cache import KVCache, LayerView, held_bytes
@@ -37,6 +37,8 @@ __all__ = [
     "compiled_devices",
     "simd_level",
     "simd_levels",
+    "prefetch_level",
+    "PREFETCH_ENV",
     "SIMD_ENV",
     "BLOCK_LEN",
     "SMALL_CHUNK",

@@ -18,6 +18,77 @@
 /// runs is used.
 pub const SIMD_ENV: &str = "KVCANDLE_SIMD";
 
+/// The environment variable that sets where the float32 products' software prefetches
+/// put the weights they ask for ahead: `l1` (the first-level cache) or `l2` (the second),
+/// read once, when a kernel first runs, so that either can be measured on any machine.
+/// Unset (or empty), [`Prefetch::default_for_cpu`] decides. Results never depend on it.
+pub const PREFETCH_ENV: &str = "KVCANDLE_PREFETCH";
+
+/// Which cache the float32 kernels' software prefetches fill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prefetch {
+    L1,
+    L2,
+}
+
+impl Prefetch {
+    /// The name [`PREFETCH_ENV`] takes.
+    pub fn short_name(self) -> &'static str {
+        match self {
+            Prefetch::L1 => "l1",
+            Prefetch::L2 => "l2",
+        }
+    }
+
+    /// The second level on AMD CPUs, the first elsewhere, by measurement
+    /// (`examples/products_probe.rs`, weights read from memory, 2 threads). On an AMD EPYC
+    /// Zen 4, to the second level: AVX-512, eight inputs 17.5-18.1 -> 23.7-24.1 GB/s (one
+    /// input prefetches nothing at this level); AVX2 forced, one input 21.0-23.4 -> 25.9-29.0
+    /// GB/s and eight 15.4-15.5 -> 17.5-21.9 GB/s: a first-level prefetch holds one of the
+    /// first level's few miss buffers until the line arrives, so fewer lines are in flight.
+    /// On the Intel Xeon, prefetching to the second level was slower or the same.
+    pub fn default_for_cpu() -> Prefetch {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: CPUID leaf 0 exists on every x86-64 CPU
+            #[allow(unused_unsafe)]
+            let id = unsafe { std::arch::x86_64::__cpuid(0) };
+            let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
+            if vendor == b"AuthenticAMD" {
+                return Prefetch::L2;
+            }
+        }
+        Prefetch::L1
+    }
+}
+
+/// The prefetch level the float32 kernels use, chosen once: [`PREFETCH_ENV`] if set,
+/// else [`Prefetch::default_for_cpu`].
+pub fn prefetch() -> Prefetch {
+    static P: std::sync::OnceLock<Prefetch> = std::sync::OnceLock::new();
+    *P.get_or_init(|| forced_prefetch().ok().flatten().unwrap_or_else(Prefetch::default_for_cpu))
+}
+
+/// The level [`PREFETCH_ENV`] asks for: `Ok(None)` when it is unset or empty, an error
+/// naming the value when it is neither `l1` nor `l2`.
+pub fn forced_prefetch() -> Result<Option<Prefetch>, String> {
+    let Ok(value) = std::env::var(PREFETCH_ENV) else { return Ok(None) };
+    match value.trim().to_ascii_lowercase().as_str() {
+        "" => Ok(None),
+        "l1" => Ok(Some(Prefetch::L1)),
+        "l2" => Ok(Some(Prefetch::L2)),
+        _ => Err(format!("{PREFETCH_ENV}={value:?} is not a prefetch level: use l1 or l2")),
+    }
+}
+
+/// Both environment variables of the kernels ([`SIMD_ENV`], [`PREFETCH_ENV`]) checked:
+/// the first unusable one's message.
+pub fn check_env() -> Result<(), String> {
+    forced()?;
+    forced_prefetch()?;
+    Ok(())
+}
+
 /// The instruction set this CPU's kernels use (these, the decode attention's and the
 /// quantized products'), chosen once: [`SIMD_ENV`] if it names one the CPU runs,
 /// otherwise the best available (an unusable [`SIMD_ENV`] is refused earlier, by
@@ -239,6 +310,20 @@ mod x86 {
     /// 1.81 decode steps, 1,024 1.82, 2,048 1.57, 4,096 1.64; none at all 2.19.
     const PREFETCH_FLOATS: usize = 2048;
 
+    /// Asks for the line at `p` (never faults), into the second-level cache with `l2`
+    /// ([`super::prefetch`]), else into the first.
+    #[inline(always)]
+    fn ahead(p: *const f32, l2: bool) {
+        // SAFETY: a prefetch never faults, whatever the address
+        unsafe {
+            if l2 {
+                _mm_prefetch::<_MM_HINT_T1>(p as *const i8);
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+            }
+        }
+    }
+
     /// Rows of `w` times one input, eight rows at a time (eight independent chains of
     /// fused multiply-adds; each load of `x` serves eight rows), then one by one.
     #[target_feature(enable = "avx512f")]
@@ -289,10 +374,11 @@ mod x86 {
         let p: [*const f32; R] = std::array::from_fn(|j| w.as_ptr().add((r + j) * cols));
         let mut acc = [[_mm512_setzero_ps(); M]; R];
         let mut c = 0;
+        let l2 = super::prefetch() == super::Prefetch::L2;
         while c < body {
             if M > 1 {
                 for pj in p {
-                    _mm_prefetch::<_MM_HINT_T0>(pj.wrapping_add(c + PREFETCH_FLOATS) as *const i8);
+                    ahead(pj.wrapping_add(c + PREFETCH_FLOATS), l2);
                 }
             }
             let wv: [__m512; R] = std::array::from_fn(|j| _mm512_loadu_ps(p[j].add(c)));
@@ -362,9 +448,10 @@ mod x86 {
         // eight rows are eight streams, more than the hardware prefetcher follows well
         // (measured: default model, Xeon with the AVX2 kernels forced, float32 decode 47.0-47.7 ->
         // 50.2-51.5 tok/s, the AVX-512 kernels 52.2; 4 inputs +3 %, 8 the same)
+        let l2 = super::prefetch() == super::Prefetch::L2;
         while c + 16 <= body {
             for pj in p {
-                _mm_prefetch::<_MM_HINT_T0>(pj.wrapping_add(c + PREFETCH_FLOATS) as *const i8);
+                ahead(pj.wrapping_add(c + PREFETCH_FLOATS), l2);
             }
             for half in [c, c + 8] {
                 let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(p[j].add(half)));
