@@ -42,11 +42,12 @@ impl Prefetch {
 
     /// The second level on AMD CPUs, the first elsewhere, by measurement
     /// (`examples/products_probe.rs`, weights read from memory, 2 threads). On an AMD EPYC
-    /// Zen 4, to the second level: AVX-512, eight inputs 17.5-18.1 -> 23.7-24.1 GB/s (one
-    /// input prefetches nothing at this level); AVX2 forced, one input 21.0-23.4 -> 25.9-29.0
-    /// GB/s and eight 15.4-15.5 -> 17.5-21.9 GB/s: a first-level prefetch holds one of the
-    /// first level's few miss buffers until the line arrives, so fewer lines are in flight.
-    /// On the Intel Xeon, prefetching to the second level was slower or the same.
+    /// Zen 4, to the second level: AVX-512, eight inputs 17.5-18.1 -> 23.7-24.1 GB/s, one
+    /// input (which prefetches nothing into the first level) on one thread 14.7-16.3 ->
+    /// 16.4-18.9 GB/s; AVX2 forced, one input 21.0-23.4 -> 25.9-29.0 GB/s and eight
+    /// 15.4-15.5 -> 17.5-21.9 GB/s: a first-level prefetch holds one of the first level's
+    /// few miss buffers until the line arrives, so fewer lines are in flight. On the Intel
+    /// Xeon, prefetching to the second level was slower or the same.
     pub fn default_for_cpu() -> Prefetch {
         #[cfg(target_arch = "x86_64")]
         {
