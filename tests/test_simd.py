@@ -25,10 +25,12 @@ print(model.tokenizer.decode([int(np.argmax(model.forward([ids[-1]], cache)))]))
 """
 
 
-def run(code: str, level: str | None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != kvcandle.SIMD_ENV}
-    if level is not None:
-        env[kvcandle.SIMD_ENV] = level
+def run(code: str, value: str | None, var: str = kvcandle.SIMD_ENV) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter with the environment variable ``var`` set to
+    ``value`` (or unset)."""
+    env = {k: v for k, v in os.environ.items() if k != var}
+    if value is not None:
+        env[var] = value
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -91,15 +93,8 @@ print(np.concatenate([np.asarray(l, dtype=np.float32).ravel() for l in logits]).
 """
 
 
-def run_prefetch(code: str, value: str | None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != kvcandle.PREFETCH_ENV}
-    if value is not None:
-        env[kvcandle.PREFETCH_ENV] = value
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-
-
 def test_prefetch_levels_give_the_same_bits():
-    got = {value: run_prefetch(PREFETCH_PROBE, value) for value in ("l1", "L2 ")}
+    got = {value: run(PREFETCH_PROBE, value, kvcandle.PREFETCH_ENV) for value in ("l1", "L2 ")}
     for value, g in got.items():
         assert g.returncode == 0, g.stderr
         assert g.stdout.splitlines()[0] == value.strip().lower()
@@ -108,7 +103,7 @@ def test_prefetch_levels_give_the_same_bits():
 
 def test_the_default_prefetch_level_follows_the_cpu_vendor():
     """The second level on AMD x86-64 CPUs, the first on any other (Intel, ARM)."""
-    got = run_prefetch("import kvcandle; print(kvcandle.prefetch_level())", None)
+    got = run("import kvcandle; print(kvcandle.prefetch_level())", None, kvcandle.PREFETCH_ENV)
     assert got.returncode == 0, got.stderr
     amd = False
     if platform.machine().lower() in ("x86_64", "amd64"):
@@ -122,7 +117,7 @@ def test_the_default_prefetch_level_follows_the_cpu_vendor():
 @pytest.mark.parametrize("value", ["l3", "t0", "fast"])
 def test_a_bad_prefetch_level_is_refused_by_name(value):
     code = "import kvcandle\nfor f in (kvcandle.load, kvcandle.prefetch_level):\n    try:\n        f()\n    except kvcandle.DeviceError as e:\n        print('DeviceError', e)\n"
-    got = run_prefetch(code, value)
+    got = run(code, value, kvcandle.PREFETCH_ENV)
     assert got.returncode == 0, got.stderr
     lines = got.stdout.splitlines()
     assert len(lines) == 2 and all(l.startswith("DeviceError") and f'{kvcandle.PREFETCH_ENV}="{value}"' in l and "l1 or l2" in l for l in lines), got.stdout
