@@ -22,7 +22,9 @@ model (float32: the Q4_1 file written as an all-float32 GGUF by llama.cpp's quan
 ``quantized=True``: the Q4_1 file): the prompt decoded on sequence 0 and its cache cells
 copied to sequences 1..B-1, then one ``llama_batch`` of B tokens with B sequence ids per
 ``llama_decode``, in a process of its own per figure (llama.cpp's default float16
-cache, its unified cache for B sequences).
+cache, its unified cache for B sequences). With the 2,000-token context the float32
+model runs a second time on a float16 cache, so that kvcandle's cache reads as many
+bytes per step as llama.cpp's.
 """
 
 from __future__ import annotations
@@ -225,26 +227,33 @@ def main() -> None:
             vs = f"; llama.cpp {'Q4_1' if quantized else 'f32'} in one batch {theirs_p[shape]:.0f} (kvcandle {together / theirs_p[shape]:.2f}x)" if theirs_p else ""
             print(f"kvcandle {name}, {shape} prompt tokens: {together:.0f} tok/s in one forward_batch, {alone:.0f} one forward each ({together / alone:.2f}x){vs}")
         for context in (16, 2000):
-            base = model.new_cache()
-            model.forward(rng.integers(0, 49152, context).tolist(), base)
-            rates: dict[int, list[float]] = {b: [] for b in BATCHES}
-            for _ in range(args.rounds):
-                for b in BATCHES:
-                    caches = [base.fork() for _ in range(b)]
-                    tokens = [[int(t)] for t in rng.integers(0, 49152, b)]
-                    model.forward_batch(tokens, caches)  # each fork copies its block first
-                    t = time.perf_counter()
-                    for _ in range(args.steps):
-                        model.forward_batch(tokens, caches)
-                    rates[b].append(b * args.steps / (time.perf_counter() - t))
-            med = {b: statistics.median(r) for b, r in rates.items()}
-            results[(f"kvcandle {name}", context)] = med
-            print(f"kvcandle {name}, {context}-token context: " + ", ".join(f"B={b} {med[b]:.1f} tok/s ({med[b] / med[1]:.2f}x)" for b in BATCHES))
+            meds: dict[str, dict[int, float]] = {}
+            # the float32 model with a 2,000-token context also on a float16 cache, as
+            # llama.cpp's default cache is: the cache's bytes then match its
+            for dtype in [model.default_cache_dtype] + (["float16"] if not quantized and context > 16 else []):
+                base = model.new_cache(dtype)
+                model.forward(rng.integers(0, 49152, context).tolist(), base)
+                rates: dict[int, list[float]] = {b: [] for b in BATCHES}
+                for _ in range(args.rounds):
+                    for b in BATCHES:
+                        caches = [base.fork() for _ in range(b)]
+                        tokens = [[int(t)] for t in rng.integers(0, 49152, b)]
+                        model.forward_batch(tokens, caches)  # each fork copies its block first
+                        t = time.perf_counter()
+                        for _ in range(args.steps):
+                            model.forward_batch(tokens, caches)
+                        rates[b].append(b * args.steps / (time.perf_counter() - t))
+                row = name if dtype == model.default_cache_dtype else name.replace(f"{model.default_cache_dtype} cache", f"{dtype} cache")
+                rows_med = {b: statistics.median(r) for b, r in rates.items()}
+                results[(f"kvcandle {row}", context)] = rows_med
+                print(f"kvcandle {row}, {context}-token context: " + ", ".join(f"B={b} {rows_med[b]:.1f} tok/s ({rows_med[b] / rows_med[1]:.2f}x)" for b in BATCHES))
+                meds[dtype] = rows_med
             theirs = llama_cpp_batched(str(llama_files[quantized]), context, args.steps, args.rounds, args.threads) if llama_files[quantized] else None
             if theirs:
                 results[(f"llama.cpp {'Q4_1' if quantized else 'f32'}", context)] = theirs
-                print(f"llama.cpp {'Q4_1' if quantized else 'f32'}, {context}-token context: "
-                      + ", ".join(f"B={b} {theirs[b]:.1f} tok/s (kvcandle {med[b] / theirs[b]:.2f}x)" for b in BATCHES))
+                for dtype, med in meds.items():
+                    print(f"llama.cpp {'Q4_1' if quantized else 'f32'}, {context}-token context: "
+                          + ", ".join(f"B={b} {theirs[b]:.1f} tok/s (kvcandle, {dtype} cache, {med[b] / theirs[b]:.2f}x)" for b in BATCHES))
     if args.plot:
         import matplotlib
 
