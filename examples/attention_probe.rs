@@ -7,7 +7,8 @@
 //! ~150 us (~21 GB/s of the ~30 GB/s numpy reads on 2 threads), hot ~60 us, float16
 //! cold ~80 us. The 8-bit cache (`kv8`, blocks of 32 int8 values and a float16 scale)
 //! is timed cold beside them, and eight rows over one layer's 8-bit blocks (forks of one
-//! prompt, hot): 8 x 9 query heads' 2,048 scores and weighted sums.
+//! prompt, hot): 8 x 9 query heads' 2,048 scores and weighted sums; and the same eight
+//! rows over one layer's float32 keys and values.
 //!
 //!     RAYON_NUM_THREADS=2 cargo run --release --example attention_probe
 
@@ -61,15 +62,24 @@ fn main() {
             std::hint::black_box(decode_attention_rows(&q_refs, &kv_refs));
         }
         let rows8 = t.elapsed().as_secs_f64() / (10 * layers) as f64;
+        // the same over one layer's float32 keys and values
+        let kv = LayerKv::contiguous(&keys[..per], &values[..per], kv_heads, len, len, d);
+        let kv_refs: Vec<_> = qs8.iter().map(|_| &kv).collect();
+        let t = Instant::now();
+        for _ in 0..10 * layers {
+            std::hint::black_box(decode_attention_rows(&q_refs, &kv_refs));
+        }
+        let rows8_f32 = t.elapsed().as_secs_f64() / (10 * layers) as f64;
         let bytes = 2.0 * per as f64 * 4.0;
         println!(
-            "round {round}: cold {:.0} us ({:.1} GB/s), hot {:.0} us, f16 cold {:.0} us, q8_0 cold {:.0} us, q8_0 8 rows hot {:.0} us",
+            "round {round}: cold {:.0} us ({:.1} GB/s), hot {:.0} us, f16 cold {:.0} us, q8_0 cold {:.0} us, q8_0 8 rows hot {:.0} us, f32 8 rows hot {:.0} us",
             cold * 1e6,
             bytes / cold / 1e9,
             hot * 1e6,
             half * 1e6,
             eight * 1e6,
-            rows8 * 1e6
+            rows8 * 1e6,
+            rows8_f32 * 1e6
         );
     }
 }
