@@ -181,9 +181,15 @@ impl Kernel {
 
 
 /// Bytes of weight rows a batched product keeps in the core's cache while it multiplies
-/// them with more inputs than one group ([`Kernel::batch_inputs`]) (a quarter of the smallest second-level
-/// cache of the CPUs seen, 512 KB).
-const TILE_BYTES: usize = 128 * 1024;
+/// them with more inputs than one group ([`Kernel::batch_inputs`]), each pass over a tile
+/// bringing in its share of the next ([`Ahead`]): small enough that a task's rows are
+/// several tiles, so the weights come from memory during every pass, not only the first.
+/// Measured on an AMD Zen 3 (AVX2, eight inputs: two passes of four), in turns:
+/// `examples/products_probe.rs`, weights from memory, one thread, 128 KB tiles each pass
+/// streaming its own rows 7.4-9.1 GB/s, these 8.2-10.8; the model's float32 chunk of 8
+/// after 300 tokens, one thread, 56.1-59.3 -> 51.6-53.6 ms (2 threads: median 32.6 ->
+/// 31.9). Tiles of 16 KB and 64 KB were the same as 32 KB.
+const TILE_BYTES: usize = 32 * 1024;
 
 impl Kernel {
     /// Inputs the batched kernel multiplies at once (their accumulators fill the
@@ -209,11 +215,15 @@ impl Kernel {
         // the core's cache meanwhile (a multiple of eight rows, the kernels' groups).
         let groups = xs.len().div_ceil(self.batch_inputs());
         let size = xs.len().div_ceil(groups);
-        let tile = if groups > 1 { (TILE_BYTES / (4 * cols.max(1))).next_multiple_of(8) } else { n };
-        for start in (0..n).step_by(tile.max(1)) {
+        let tile = if groups > 1 { (TILE_BYTES / (4 * cols.max(1))).next_multiple_of(8) } else { n }.max(1);
+        let tiles = n.div_ceil(tile);
+        for (k, start) in (0..n).step_by(tile).enumerate() {
             let end = (start + tile).min(n);
             let w = &w[start * cols..end * cols];
-            for (xs, outs) in xs.chunks(size).zip(outs.chunks_mut(size)) {
+            for (g, (xs, outs)) in xs.chunks(size).zip(outs.chunks_mut(size)).enumerate() {
+                // the first pass over the first tile streams it in; each pass over a tile
+                // that has a next one brings in its share of that one
+                let plan = Ahead { stream: k == 0 && g == 0, next: (k + 1 < tiles).then_some((tile * cols, groups, g)) };
                 let mut outs: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[start..end]).collect();
                 if let ([x], [out]) = (xs, &mut outs[..]) {
                     // one input: the single-input kernel's groups of rows
@@ -223,10 +233,13 @@ impl Kernel {
                 match self {
                     // SAFETY: the instruction set was detected at run time (`detect`/`available`).
                     #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx512 => unsafe { x86::batch_avx512(w, xs, &mut outs) },
+                    Kernel::Avx512 => unsafe { x86::batch_avx512(w, xs, &mut outs, plan) },
                     #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx2 => unsafe { x86::batch_avx2(w, xs, &mut outs) },
-                    _ => batch_portable(w, xs, &mut outs),
+                    Kernel::Avx2 => unsafe { x86::batch_avx2(w, xs, &mut outs, plan) },
+                    _ => {
+                        let _ = plan; // the portable loop leaves prefetching to the hardware
+                        batch_portable(w, xs, &mut outs)
+                    }
                 }
             }
         }
@@ -298,8 +311,28 @@ fn group_portable<const N: usize>(w: &[f32], x: &[f32], r: usize, out: &mut [f32
     }
 }
 
+/// Which weights a pass of an x86 kernel asks for ahead of the rows it multiplies, one
+/// cache line (16 floats) of each row per step: `stream`, the line [`x86::PREFETCH_FLOATS`]
+/// on; `next` = (`dist`, `every`, `phase`), on steps `phase`, `phase + every`, ... of
+/// every row, the line `dist` floats on (the same place in the next tile of rows), so
+/// that the passes over one tile, each taking its share, bring in the next one while they
+/// compute. Never changes a result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Ahead {
+    stream: bool,
+    next: Option<(usize, usize, usize)>,
+}
+
+impl Ahead {
+    /// One pass over rows read from memory.
+    #[cfg(target_arch = "x86_64")]
+    const STREAM: Ahead = Ahead { stream: true, next: None };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::Ahead;
     use std::arch::x86_64::*;
 
     /// How far ahead (in floats) of the columns being multiplied the batched kernels ask
@@ -309,7 +342,7 @@ mod x86 {
     ///
     /// Measured (default model, a chunk of 8 tokens, 2 threads, Xeon): 256 floats ahead
     /// 1.81 decode steps, 1,024 1.82, 2,048 1.57, 4,096 1.64; none at all 2.19.
-    const PREFETCH_FLOATS: usize = 2048;
+    pub(super) const PREFETCH_FLOATS: usize = 2048;
 
     /// Asks for the line at `p` (never faults), into the second-level cache with `l2`
     /// ([`super::prefetch`]), else into the first.
@@ -325,39 +358,55 @@ mod x86 {
         }
     }
 
+    /// `plan`'s share of the next tile at column `c` of rows `p`, the `step`-th line.
+    #[inline(always)]
+    fn next_tile<const R: usize>(p: &[*const f32; R], c: usize, plan: Ahead, step: &mut usize, l2: bool) {
+        if let Some((dist, every, phase)) = plan.next {
+            if *step == phase {
+                for pj in p {
+                    ahead(pj.wrapping_add(c + dist), l2);
+                }
+            }
+            *step += 1;
+            if *step == every {
+                *step = 0;
+            }
+        }
+    }
+
     /// Rows of `w` times one input, eight rows at a time (eight independent chains of
     /// fused multiply-adds; each load of `x` serves eight rows), then one by one.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn rows_avx512(w: &[f32], x: &[f32], out: &mut [f32]) {
-        rows512::<8, 1>(w, &[x], &mut [out]);
+        rows512::<8, 1>(w, &[x], &mut [out], Ahead::STREAM);
     }
 
     /// Rows of `w` times up to eight inputs (groups of four rows, of three from seven
     /// inputs on: (rows + 1) * inputs registers).
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn batch_avx512(w: &[f32], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    pub unsafe fn batch_avx512(w: &[f32], xs: &[&[f32]], outs: &mut [&mut [f32]], plan: Ahead) {
         match xs.len() {
-            1 => rows512::<4, 1>(w, xs, outs),
-            2 => rows512::<4, 2>(w, xs, outs),
-            3 => rows512::<4, 3>(w, xs, outs),
-            4 => rows512::<4, 4>(w, xs, outs),
-            5 => rows512::<4, 5>(w, xs, outs),
-            6 => rows512::<4, 6>(w, xs, outs),
-            7 => rows512::<3, 7>(w, xs, outs),
-            _ => rows512::<3, 8>(w, xs, outs),
+            1 => rows512::<4, 1>(w, xs, outs, plan),
+            2 => rows512::<4, 2>(w, xs, outs, plan),
+            3 => rows512::<4, 3>(w, xs, outs, plan),
+            4 => rows512::<4, 4>(w, xs, outs, plan),
+            5 => rows512::<4, 5>(w, xs, outs, plan),
+            6 => rows512::<4, 6>(w, xs, outs, plan),
+            7 => rows512::<3, 7>(w, xs, outs, plan),
+            _ => rows512::<3, 8>(w, xs, outs, plan),
         }
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn rows512<const R: usize, const M: usize>(w: &[f32], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    unsafe fn rows512<const R: usize, const M: usize>(w: &[f32], xs: &[&[f32]], outs: &mut [&mut [f32]], plan: Ahead) {
         let rows = outs[0].len();
         let mut r = 0;
         while r + R <= rows {
-            tile512::<R, M>(w, xs, r, outs);
+            tile512::<R, M>(w, xs, r, outs, plan);
             r += R;
         }
         while r < rows {
-            tile512::<1, M>(w, xs, r, outs);
+            tile512::<1, M>(w, xs, r, outs, plan);
             r += 1;
         }
     }
@@ -368,23 +417,24 @@ mod x86 {
     /// depends neither on the rows nor on the inputs it was computed with.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::needless_range_loop)] // register arrays indexed by row and input
-    unsafe fn tile512<const R: usize, const M: usize>(w: &[f32], xs: &[&[f32]], r: usize, outs: &mut [&mut [f32]]) {
+    unsafe fn tile512<const R: usize, const M: usize>(w: &[f32], xs: &[&[f32]], r: usize, outs: &mut [&mut [f32]], plan: Ahead) {
         let cols = xs[0].len();
         let body = cols / 16 * 16;
         let xp: [*const f32; M] = std::array::from_fn(|m| xs[m].as_ptr());
         let p: [*const f32; R] = std::array::from_fn(|j| w.as_ptr().add((r + j) * cols));
         let mut acc = [[_mm512_setzero_ps(); M]; R];
         let mut c = 0;
-        let l2 = super::prefetch() == super::Prefetch::L2;
+        let (l2, mut step) = (super::prefetch() == super::Prefetch::L2, 0);
         while c < body {
             // one input keeps up with the memory without prefetches into the first level
             // (the hardware prefetcher follows its eight rows), not without them into the
             // second on AMD (a single thread's pace there: 14.7-16.3 -> 16.4-18.9 GB/s)
-            if M > 1 || l2 {
+            if plan.stream && (M > 1 || l2) {
                 for pj in p {
                     ahead(pj.wrapping_add(c + PREFETCH_FLOATS), l2);
                 }
             }
+            next_tile(&p, c, plan, &mut step, l2);
             let wv: [__m512; R] = std::array::from_fn(|j| _mm512_loadu_ps(p[j].add(c)));
             for m in 0..M {
                 let x = _mm512_loadu_ps(xp[m].add(c));
@@ -408,32 +458,32 @@ mod x86 {
     /// [`rows_avx512`] with AVX2 registers, over steps of 8 columns.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn rows_avx2(w: &[f32], x: &[f32], out: &mut [f32]) {
-        rows256::<8, 1>(w, &[x], &mut [out]);
+        rows256::<8, 1>(w, &[x], &mut [out], Ahead::STREAM);
     }
 
     /// [`batch_avx512`] with AVX2's sixteen registers: groups of two rows.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn batch_avx2(w: &[f32], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    pub unsafe fn batch_avx2(w: &[f32], xs: &[&[f32]], outs: &mut [&mut [f32]], plan: Ahead) {
         match xs.len() {
-            1 => rows256::<2, 1>(w, xs, outs),
-            2 => rows256::<2, 2>(w, xs, outs),
-            3 => rows256::<2, 3>(w, xs, outs),
-            4 => rows256::<2, 4>(w, xs, outs),
-            5 => rows256::<2, 5>(w, xs, outs),
-            _ => rows256::<2, 6>(w, xs, outs),
+            1 => rows256::<2, 1>(w, xs, outs, plan),
+            2 => rows256::<2, 2>(w, xs, outs, plan),
+            3 => rows256::<2, 3>(w, xs, outs, plan),
+            4 => rows256::<2, 4>(w, xs, outs, plan),
+            5 => rows256::<2, 5>(w, xs, outs, plan),
+            _ => rows256::<2, 6>(w, xs, outs, plan),
         }
     }
 
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows256<const R: usize, const M: usize>(w: &[f32], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    unsafe fn rows256<const R: usize, const M: usize>(w: &[f32], xs: &[&[f32]], outs: &mut [&mut [f32]], plan: Ahead) {
         let rows = outs[0].len();
         let mut r = 0;
         while r + R <= rows {
-            tile256::<R, M>(w, xs, r, outs);
+            tile256::<R, M>(w, xs, r, outs, plan);
             r += R;
         }
         while r < rows {
-            tile256::<1, M>(w, xs, r, outs);
+            tile256::<1, M>(w, xs, r, outs, plan);
             r += 1;
         }
     }
@@ -441,7 +491,7 @@ mod x86 {
     /// [`tile512`] with AVX2 registers.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::needless_range_loop)] // register arrays indexed by row and input
-    unsafe fn tile256<const R: usize, const M: usize>(w: &[f32], xs: &[&[f32]], r: usize, outs: &mut [&mut [f32]]) {
+    unsafe fn tile256<const R: usize, const M: usize>(w: &[f32], xs: &[&[f32]], r: usize, outs: &mut [&mut [f32]], plan: Ahead) {
         let cols = xs[0].len();
         let body = cols / 8 * 8;
         let xp: [*const f32; M] = std::array::from_fn(|m| xs[m].as_ptr());
@@ -452,11 +502,14 @@ mod x86 {
         // eight rows are eight streams, more than the hardware prefetcher follows well
         // (measured: default model, Xeon with the AVX2 kernels forced, float32 decode 47.0-47.7 ->
         // 50.2-51.5 tok/s, the AVX-512 kernels 52.2; 4 inputs +3 %, 8 the same)
-        let l2 = super::prefetch() == super::Prefetch::L2;
+        let (l2, mut step) = (super::prefetch() == super::Prefetch::L2, 0);
         while c + 16 <= body {
-            for pj in p {
-                ahead(pj.wrapping_add(c + PREFETCH_FLOATS), l2);
+            if plan.stream {
+                for pj in p {
+                    ahead(pj.wrapping_add(c + PREFETCH_FLOATS), l2);
+                }
             }
+            next_tile(&p, c, plan, &mut step, l2);
             for half in [c, c + 8] {
                 let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(p[j].add(half)));
                 for m in 0..M {
@@ -509,9 +562,11 @@ mod tests {
             s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         };
-        for (rows, cols) in [(13, 576), (8, 1536), (7, 37), (5, 3), (1, 64), (6, 32)] {
+        // 41 x 576 and 19 x 1536 span several tiles of rows ([`TILE_BYTES`]), the last partial
+        const { assert!(41 * 576 * 4 > 2 * TILE_BYTES && 19 * 1536 * 4 > 2 * TILE_BYTES) };
+        for (rows, cols) in [(13, 576), (8, 1536), (41, 576), (19, 1536), (7, 37), (5, 3), (1, 64), (6, 32)] {
             let w: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
-            for inputs in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13] {
+            for inputs in [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17] {
                 let xs: Vec<Vec<f32>> = (0..inputs).map(|_| (0..cols).map(|_| rnd()).collect()).collect();
                 let refs: Vec<&[f32]> = xs.iter().map(|x| &x[..]).collect();
                 for k in Kernel::available() {
