@@ -77,9 +77,9 @@ def test_info_names_the_level():
     assert kvcandle.simd_level() in line and kvcandle.SIMD_ENV in line
 
 
-# The float32 products' software prefetches (KVCANDLE_PREFETCH): either cache level gives
-# the same bits (a prefetch moves no data a kernel computes with), a bad value is refused
-# by name, and `info` names the level.
+# The float32 products' software prefetches (KVCANDLE_PREFETCH): every level gives the
+# same bits (a prefetch moves no data a kernel computes with), a bad value is refused by
+# name, and `info` names the level.
 PREFETCH_PROBE = """
 import kvcandle, numpy as np
 print(kvcandle.prefetch_level())
@@ -87,40 +87,45 @@ model = kvcandle.load()
 base = model.new_cache()
 ids = model.tokenizer.encode("The capital of France is")
 model.forward(ids[:-1], base)
-caches = [base.fork() for _ in range(3)]
-logits = model.forward_batch([[ids[-1]], [ids[-1], 11], [7]], caches)
+caches = [base.fork() for _ in range(4)]
+# 13 rows: several passes over tiles of rows on every SIMD level
+logits = model.forward_batch([[ids[-1]], [ids[-1], 11], [7], list(range(100, 109))], caches)
 print(np.concatenate([np.asarray(l, dtype=np.float32).ravel() for l in logits]).tobytes().hex())
 """
 
 
 def test_prefetch_levels_give_the_same_bits():
-    got = {value: run(PREFETCH_PROBE, value, kvcandle.PREFETCH_ENV) for value in ("l1", "L2 ")}
+    got = {value: run(PREFETCH_PROBE, value, kvcandle.PREFETCH_ENV) for value in ("l1", "L2 ", "l2-batch")}
     for value, g in got.items():
         assert g.returncode == 0, g.stderr
         assert g.stdout.splitlines()[0] == value.strip().lower()
-    assert got["l1"].stdout.splitlines()[1] == got["L2 "].stdout.splitlines()[1]
+    assert got["l1"].stdout.splitlines()[1] == got["L2 "].stdout.splitlines()[1] == got["l2-batch"].stdout.splitlines()[1]
 
 
-def test_the_default_prefetch_level_follows_the_cpu_vendor():
-    """The second level on AMD x86-64 CPUs, the first on any other (Intel, ARM)."""
+def test_the_default_prefetch_level_follows_the_cpu():
+    """The second level on AMD x86-64 CPUs with AVX-512, the second for batches only on AMD
+    CPUs without, the first on any other (Intel, ARM)."""
     got = run("import kvcandle; print(kvcandle.prefetch_level())", None, kvcandle.PREFETCH_ENV)
     assert got.returncode == 0, got.stderr
-    amd = False
+    amd = avx512 = False
     if platform.machine().lower() in ("x86_64", "amd64"):
         if not os.path.exists("/proc/cpuinfo"):
             pytest.skip("the CPU vendor is read from /proc/cpuinfo (Linux) here")
         with open("/proc/cpuinfo") as f:
-            amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
-    assert got.stdout.strip() == ("l2" if amd else "l1")
+            lines = f.read().splitlines()
+        amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in lines)
+        avx512 = any(line.startswith("flags") and "avx512f" in line.split() for line in lines)
+    assert got.stdout.strip() == (("l2" if avx512 else "l2-batch") if amd else "l1")
 
 
-@pytest.mark.parametrize("value", ["l3", "t0", "fast"])
+@pytest.mark.parametrize("value", ["l3", "t0", "fast", "l2batch"])
 def test_a_bad_prefetch_level_is_refused_by_name(value):
     code = "import kvcandle\nfor f in (kvcandle.load, kvcandle.prefetch_level):\n    try:\n        f()\n    except kvcandle.DeviceError as e:\n        print('DeviceError', e)\n"
     got = run(code, value, kvcandle.PREFETCH_ENV)
     assert got.returncode == 0, got.stderr
     lines = got.stdout.splitlines()
-    assert len(lines) == 2 and all(l.startswith("DeviceError") and f'{kvcandle.PREFETCH_ENV}="{value}"' in l and "l1 or l2" in l for l in lines), got.stdout
+    levels = ("l1", "l2", "l2-batch")
+    assert len(lines) == 2 and all(l.startswith("DeviceError") and f'{kvcandle.PREFETCH_ENV}="{value}"' in l and all(n in l for n in levels) for l in lines), got.stdout
 
 
 def test_info_names_the_prefetch_level():

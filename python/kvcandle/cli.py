@@ -242,7 +242,7 @@ def cmd_info(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
         ("dtype", model.dtype + (" (linear layers quantized, as in the file)" if model.quantized else "")),
         ("device", model.device),
         ("SIMD level", f"{simd_level()} (this CPU runs {', '.join(simd_levels())}; {SIMD_ENV} forces one)"),
-        ("prefetch level", f"{prefetch_level()} (float32 products' prefetches; {PREFETCH_ENV} sets l1 or l2)"),
+        ("prefetch level", f"{prefetch_level()} (float32 products' prefetches; {PREFETCH_ENV} sets it)"),
         ("parameters", f"{model.num_parameters:,}"),
         ("cache bytes per token", f"{cache.bytes_per_token:,}"),
         ("cache bytes at full context", f"{cache.bytes_per_token * c.max_position_embeddings:,}"),

@@ -24,11 +24,16 @@ pub const SIMD_ENV: &str = "KVCANDLE_SIMD";
 /// Unset (or empty), [`Prefetch::default_for_cpu`] decides. Results never depend on it.
 pub const PREFETCH_ENV: &str = "KVCANDLE_PREFETCH";
 
-/// Which cache the float32 kernels' software prefetches fill.
+/// Which cache the float32 kernels' software prefetches fill, and which passes ask.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Prefetch {
+    /// The first level (one input with AVX-512 asks for nothing).
     L1,
+    /// The second level, every pass.
     L2,
+    /// The second level, only in passes of several inputs: one input's rows are left to
+    /// the hardware prefetcher.
+    L2Batch,
 }
 
 impl Prefetch {
@@ -37,17 +42,37 @@ impl Prefetch {
         match self {
             Prefetch::L1 => "l1",
             Prefetch::L2 => "l2",
+            Prefetch::L2Batch => "l2-batch",
         }
     }
 
-    /// The second level on AMD CPUs, the first elsewhere, by measurement
-    /// (`examples/products_probe.rs`, weights read from memory, 2 threads). On an AMD EPYC
-    /// Zen 4, to the second level: AVX-512, eight inputs 17.5-18.1 -> 23.7-24.1 GB/s, one
-    /// input (which prefetches nothing into the first level) on one thread 14.7-16.3 ->
-    /// 16.4-18.9 GB/s; AVX2 forced, one input 21.0-23.4 -> 25.9-29.0 GB/s and eight
-    /// 15.4-15.5 -> 17.5-21.9 GB/s: a first-level prefetch holds one of the first level's
-    /// few miss buffers until the line arrives, so fewer lines are in flight. On the Intel
-    /// Xeon, prefetching to the second level was slower or the same.
+    /// Every level, in [`PREFETCH_ENV`]'s names.
+    const ALL: [Prefetch; 3] = [Prefetch::L1, Prefetch::L2, Prefetch::L2Batch];
+
+    /// Whether a pass of one input asks for its rows ahead (`avx512`: the AVX-512 kernel,
+    /// which keeps up with the memory without first-level prefetches).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) fn one_input(self, avx512: bool) -> bool {
+        match self {
+            Prefetch::L1 => !avx512,
+            Prefetch::L2 => true,
+            Prefetch::L2Batch => false,
+        }
+    }
+
+    /// By measurement (`examples/products_probe.rs`, weights read from memory): the
+    /// second level on AMD CPUs with AVX-512, the second level for batches only on AMD
+    /// CPUs without, the first elsewhere.
+    ///
+    /// On an AMD EPYC Zen 4, to the second level (2 threads): AVX-512, eight inputs
+    /// 17.5-18.1 -> 23.7-24.1 GB/s, one input (which prefetches nothing into the first
+    /// level) on one thread 14.7-16.3 -> 16.4-18.9 GB/s; AVX2 forced, one input 21.0-23.4
+    /// -> 25.9-29.0 GB/s and eight 15.4-15.5 -> 17.5-21.9 GB/s: a first-level prefetch
+    /// holds one of the first level's few miss buffers until the line arrives, so fewer
+    /// lines are in flight. On an AMD EPYC Zen 3 (AVX2 only), one input without
+    /// prefetches (in turns): one thread 12.2-15.1 -> 16.8-18.8 GB/s, 2 threads 23.6-27.4
+    /// -> 27.6-32.3 GB/s; its hardware prefetcher alone follows the eight rows better. On
+    /// the Intel Xeon, prefetching to the second level was slower or the same.
     pub fn default_for_cpu() -> Prefetch {
         #[cfg(target_arch = "x86_64")]
         {
@@ -56,7 +81,7 @@ impl Prefetch {
             let id = unsafe { std::arch::x86_64::__cpuid(0) };
             let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
             if vendor == b"AuthenticAMD" {
-                return Prefetch::L2;
+                return if std::arch::is_x86_feature_detected!("avx512f") { Prefetch::L2 } else { Prefetch::L2Batch };
             }
         }
         Prefetch::L1
@@ -71,14 +96,19 @@ pub fn prefetch() -> Prefetch {
 }
 
 /// The level [`PREFETCH_ENV`] asks for: `Ok(None)` when it is unset or empty, an error
-/// naming the value when it is neither `l1` nor `l2`.
+/// naming the value and the levels when it is none of them.
 pub fn forced_prefetch() -> Result<Option<Prefetch>, String> {
     let Ok(value) = std::env::var(PREFETCH_ENV) else { return Ok(None) };
-    match value.trim().to_ascii_lowercase().as_str() {
-        "" => Ok(None),
-        "l1" => Ok(Some(Prefetch::L1)),
-        "l2" => Ok(Some(Prefetch::L2)),
-        _ => Err(format!("{PREFETCH_ENV}={value:?} is not a prefetch level: use l1 or l2")),
+    let name = value.trim().to_ascii_lowercase();
+    if name.is_empty() {
+        return Ok(None);
+    }
+    match Prefetch::ALL.into_iter().find(|p| p.short_name() == name) {
+        Some(p) => Ok(Some(p)),
+        None => {
+            let names: Vec<&str> = Prefetch::ALL.iter().map(|p| p.short_name()).collect();
+            Err(format!("{PREFETCH_ENV}={value:?} is not a prefetch level: use one of {}", names.join(", ")))
+        }
     }
 }
 
@@ -424,12 +454,14 @@ mod x86 {
         let p: [*const f32; R] = std::array::from_fn(|j| w.as_ptr().add((r + j) * cols));
         let mut acc = [[_mm512_setzero_ps(); M]; R];
         let mut c = 0;
-        let (l2, mut step) = (super::prefetch() == super::Prefetch::L2, 0);
+        let level = super::prefetch();
+        let (l2, mut step) = (level != super::Prefetch::L1, 0);
+        let stream = plan.stream && (M > 1 || level.one_input(true));
         while c < body {
             // one input keeps up with the memory without prefetches into the first level
             // (the hardware prefetcher follows its eight rows), not without them into the
             // second on AMD (a single thread's pace there: 14.7-16.3 -> 16.4-18.9 GB/s)
-            if plan.stream && (M > 1 || l2) {
+            if stream {
                 for pj in p {
                     ahead(pj.wrapping_add(c + PREFETCH_FLOATS), l2);
                 }
@@ -501,10 +533,14 @@ mod x86 {
         // a cache line (16 floats) of each row per pass, asked for PREFETCH_FLOATS ahead:
         // eight rows are eight streams, more than the hardware prefetcher follows well
         // (measured: default model, Xeon with the AVX2 kernels forced, float32 decode 47.0-47.7 ->
-        // 50.2-51.5 tok/s, the AVX-512 kernels 52.2; 4 inputs +3 %, 8 the same)
-        let (l2, mut step) = (super::prefetch() == super::Prefetch::L2, 0);
+        // 50.2-51.5 tok/s, the AVX-512 kernels 52.2; 4 inputs +3 %, 8 the same) on some
+        // CPUs; on others (Zen 3) the hardware prefetcher follows one input's rows better
+        // alone ([`super::Prefetch::L2Batch`])
+        let level = super::prefetch();
+        let (l2, mut step) = (level != super::Prefetch::L1, 0);
+        let stream = plan.stream && (M > 1 || level.one_input(false));
         while c + 16 <= body {
-            if plan.stream {
+            if stream {
                 for pj in p {
                     ahead(pj.wrapping_add(c + PREFETCH_FLOATS), l2);
                 }
