@@ -728,7 +728,7 @@ const LANES8: usize = 8;
 /// The AVX2 task, [`Avx512`] with AVX2's sixteen registers, for head sizes that are a
 /// multiple of 32: blocks of 8 positions, the 8 keys' products with a query head in 8
 /// registers turned into one register of 8 scores by three horizontal adds and a lane
-/// swap; values accumulated for up to 3 query heads × 32 dimensions in registers over a
+/// swap; values accumulated for up to 3 query heads × 16 dimensions in registers over a
 /// block.
 #[cfg(target_arch = "x86_64")]
 struct Avx2;
@@ -867,31 +867,38 @@ unsafe fn chunk_avx2<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize
     rows_task::<Avx2, T>(qs, kvs, h, spans)
 }
 
-/// [`accumulate`] with AVX2 registers: `G` query heads × 32 dimensions at a time.
+/// [`accumulate`] with AVX2 registers: `G` query heads × 16 dimensions at a time, held in
+/// registers over the block (`2 G` accumulators, two value registers and a weight). With
+/// 32 dimensions at a time (for 3 heads 12 accumulators, four value registers and a
+/// weight: one more than AVX2's sixteen registers) the accumulators spilled to the stack inside the loop:
+/// `examples/attention_probe.rs` on an AMD EPYC Zen 3 (AVX2 only, 2026-12-03, in turns),
+/// eight rows over one layer's float32 blocks hot, 2 threads 680-764 -> 555-595 us, one
+/// thread 1472-1594 -> 1071-1199 us.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 unsafe fn accumulate8<const G: usize>(sums: &mut [f32], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
     use std::arch::x86_64::*;
-    for c0 in (0..d).step_by(32) {
-        let mut acc = [[_mm256_setzero_ps(); 4]; G];
+    const W: usize = 2;
+    for c0 in (0..d).step_by(8 * W) {
+        let mut acc = [[_mm256_setzero_ps(); W]; G];
         for g in 0..G {
-            for b in 0..4 {
+            for b in 0..W {
                 acc[g][b] = _mm256_loadu_ps(sums[g * d..][..d].as_ptr().add(c0 + 8 * b));
             }
         }
         for i in 0..m {
             let row = v.add(i * d + c0);
-            let vb = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)), _mm256_loadu_ps(row.add(16)), _mm256_loadu_ps(row.add(24))];
+            let vb: [__m256; W] = std::array::from_fn(|b| _mm256_loadu_ps(row.add(8 * b)));
             for g in 0..G {
                 let w = _mm256_set1_ps(*scores.get_unchecked((r0 + g) * n + i0 + i));
-                for b in 0..4 {
+                for b in 0..W {
                     acc[g][b] = _mm256_fmadd_ps(w, vb[b], acc[g][b]);
                 }
             }
         }
         for g in 0..G {
-            for b in 0..4 {
+            for b in 0..W {
                 _mm256_storeu_ps(sums[g * d..][..d].as_mut_ptr().add(c0 + 8 * b), acc[g][b]);
             }
         }
