@@ -1015,7 +1015,7 @@ unsafe fn rows_q4_avx2<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize,
     use std::arch::x86_64::*;
     let f = Format::from_id(F);
     let Q4Rows { bytes, values_at, n, rows } = Q4Rows::checked(f, qs, row_bytes, first, acts, outs);
-    let (low4, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    let (low4, low16, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi32(0xFFFF), _mm256_set1_epi16(1));
     for g in (0..rows).step_by(8) {
         let count = (rows - g).min(8);
         let base = qs.as_ptr().add((first + g) * row_bytes);
@@ -1037,29 +1037,30 @@ unsafe fn rows_q4_avx2<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize,
             let (t2, t3) = (_mm256_unpacklo_epi32(z[2], z[3]), _mm256_unpackhi_epi32(z[2], z[3]));
             // packed[t], lane r: row r's bytes 4t..4t + 4
             let packed = [_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)];
-            let (mut dh, mut sh) = ([0u16; 8], [0u16; 8]);
-            for r in 0..8 {
-                dh[r] = std::ptr::read_unaligned(at(r) as *const u16);
-                sh[r] = std::ptr::read_unaligned(at(r).add(2) as *const u16);
-            }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(dh.as_ptr() as *const __m128i));
+            // the eight rows' first four bytes: the scale and (Q4_1) the minimum, as
+            // half-precision numbers; read as one register, not through memory
+            let h = |r: usize| std::ptr::read_unaligned(at(r) as *const i32);
+            let head = _mm256_setr_epi32(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
+            // lanes 0..8: the eight scales; 8..16: the eight second halves
+            let halves = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(_mm256_and_si256(head, low16), _mm256_srli_epi32::<16>(head)));
+            let d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
             // what each row adds per unit of the activations' block sum: its minimum
             // (Q4_1), or minus 8 times its scale (Q4_0's offset of 8)
             let add = match f {
                 Format::Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-                _ => _mm256_cvtph_ps(_mm_loadu_si128(sh.as_ptr() as *const __m128i)),
+                _ => _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(halves)),
             };
-            let mut sums = [_mm256_setzero_si256(); M];
-            for t in 0..4 {
-                let (low, high) = (_mm256_and_si256(packed[t], low4), _mm256_and_si256(_mm256_srli_epi16::<4>(packed[t]), low4));
-                for m in 0..M {
-                    let x = acts.xq[m].as_ptr().add(b * SUB) as *const i32;
-                    let (xl, xh) = (_mm256_set1_epi32(std::ptr::read_unaligned(x.add(t))), _mm256_set1_epi32(std::ptr::read_unaligned(x.add(4 + t))));
-                    sums[m] = _mm256_add_epi16(sums[m], _mm256_add_epi16(_mm256_maddubs_epi16(low, xl), _mm256_maddubs_epi16(high, xh)));
-                }
-            }
+            let low: [__m256i; 4] = std::array::from_fn(|t| _mm256_and_si256(packed[t], low4));
+            let high: [__m256i; 4] = std::array::from_fn(|t| _mm256_and_si256(_mm256_srli_epi16::<4>(packed[t]), low4));
+            // input by input, so that one input's sums stay in a register
             for m in 0..M {
-                let block = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], ones));
+                let x = acts.xq[m].as_ptr().add(b * SUB) as *const i32;
+                let mut sums = _mm256_setzero_si256();
+                for t in 0..4 {
+                    let (xl, xh) = (_mm256_set1_epi32(std::ptr::read_unaligned(x.add(t))), _mm256_set1_epi32(std::ptr::read_unaligned(x.add(4 + t))));
+                    sums = _mm256_add_epi16(sums, _mm256_add_epi16(_mm256_maddubs_epi16(low[t], xl), _mm256_maddubs_epi16(high[t], xh)));
+                }
+                let block = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));
                 acc[m] = _mm256_fmadd_ps(block, _mm256_mul_ps(d, _mm256_set1_ps(*acts.xd[m].get_unchecked(b))), acc[m]);
                 acc[m] = _mm256_fmadd_ps(add, _mm256_set1_ps(*acts.block_sums[m].get_unchecked(b)), acc[m]);
             }
