@@ -870,10 +870,10 @@ unsafe fn chunk_avx2<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize
 /// [`accumulate`] with AVX2 registers: `G` query heads × 16 dimensions at a time, held in
 /// registers over the block (`2 G` accumulators, two value registers and a weight). With
 /// 32 dimensions at a time (for 3 heads 12 accumulators, four value registers and a
-/// weight: one more than AVX2's sixteen registers) the accumulators spilled to the stack inside the loop:
-/// `examples/attention_probe.rs` on an AMD EPYC Zen 3 (AVX2 only, 2026-12-03, in turns),
-/// eight rows over one layer's float32 blocks hot, 2 threads 680-764 -> 555-595 us, one
-/// thread 1472-1594 -> 1071-1199 us.
+/// weight: one more than AVX2's sixteen registers) the accumulators spilled to the stack
+/// inside the loop: `examples/attention_probe.rs` on an AMD EPYC Zen 3 (AVX2 only,
+/// 2026-12-03, in turns), eight rows over one layer's float32 blocks hot, 2 threads
+/// 680-764 -> 555-595 us, one thread 1472-1594 -> 1071-1199 us.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
