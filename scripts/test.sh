@@ -5,8 +5,9 @@
 # (examples/fuzz.rs), runs the pytest suite against that installed wheel (never the
 # source tree) once per thread count in KVCANDLE_TEST_THREADS (default "2 1"; at fewer
 # threads than CPUs, in one process per CPU's worth of threads) and, without the slow
-# parity suite, once per SIMD level below the CPU's best (KVCANDLE_SIMD forced), then the cross-platform checks (scripts/cross-check.sh). Work that
-# leaves CPUs idle runs side by side: the Rust build during pip's install, the two fuzzers.
+# parity suite, once per SIMD level below the CPU's best (KVCANDLE_SIMD forced), then the
+# cross-platform checks (scripts/cross-check.sh). Work that leaves CPUs idle runs side by
+# side: the Rust build during pip's install, the two fuzzers.
 #
 #   KVCANDLE_TEST_VENV  the virtual environment, made anew each run (default .venv-test)
 #   CARGO_TARGET_DIR    Cargo's build directory (default target/)
