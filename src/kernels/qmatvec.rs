@@ -12,7 +12,10 @@
 //! At the AVX-512 level, on CPUs with AVX512-BW and VNNI, Q4_0, Q4_1 and Q8_0 rows take
 //! kernels that put sixteen rows in one register, a row per 32-bit lane, so that a
 //! block's integer sum builds up in its lane without a horizontal step
-//! ([`rows_q4_vnni`], [`rows_q8_0_vnni`]); the other block types keep the AVX2 kernels.
+//! ([`rows_q4_vnni`], [`rows_q8_0_vnni`]); the other block types (Q5_0, Q5_1, the
+//! K-quants) run the AVX2 kernels' code compiled with VNNI's byte dot product in place of
+//! AVX2's two-instruction one, for up to eight inputs at once ([`byte_dots`]: the same
+//! integers, so the same results bit for bit).
 
 use half::f16;
 
@@ -234,8 +237,11 @@ impl QMatrix {
         // on an AMD EPYC Zen 3, AVX2 only, 2026-12-03: eight inputs, one thread, the o
         // matrix from the second-level cache 132-133 -> 111 ns per block, from memory
         // 115 / 89.5 -> 96.3 / 71.7, in turns)
+        // (the K-quants and Q5's VNNI build: 24 of its 32 registers for eight inputs'
+        // accumulators)
+        let vnni = !inputs.is_empty() && inputs.iter().all(|i| i.starts.is_some());
         let width = match self.kind {
-            QKind::Q8_0 if has_vnni() => 8,
+            QKind::Q8_0 | QKind::Blocks(_) if vnni => 8,
             QKind::Blocks(Format::Q4_0 | Format::Q4_1) if cfg!(target_arch = "x86_64") => 8,
             _ => 4,
         };
@@ -490,8 +496,8 @@ fn has_avx2_fma() -> bool {
 }
 
 /// Whether the AVX-512 integer kernels run: the AVX-512 level is chosen
-/// ([`crate::kernels::matvec::kernel`]) and the CPU has AVX512-BW and AVX512-VNNI (byte
-/// dot products into 32-bit lanes), detected once.
+/// ([`crate::kernels::matvec::kernel`]) and the CPU has AVX512-BW, AVX512-VL and
+/// AVX512-VNNI (byte dot products into 32-bit lanes), detected once.
 fn has_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -504,7 +510,7 @@ fn has_vnni() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 fn vnni_detected() -> bool {
-    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vnni")
+    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vl") && std::is_x86_feature_detected!("avx512vnni")
 }
 
 /// Whether this CPU runs the int8 kernels: AVX2 + FMA + F16C on x86-64; NEON, which every
@@ -678,19 +684,59 @@ fn dot_blocks_q8<const M: usize>(f: Format, row: &[u8], acts: &Acts<'_, M>) -> [
 }
 
 /// One row of kept blocks against `M` inputs' int8 forms, the kernel specialized to the
-/// format (the unpacking inlined with it constant).
+/// format (the unpacking inlined with it constant): the VNNI build of the kernels for
+/// inputs prepared for the AVX-512 level, the AVX2 build otherwise.
 #[cfg(target_arch = "x86_64")]
 fn dot_blocks_q8<const M: usize>(f: Format, row: &[u8], acts: &Acts<'_, M>) -> [f32; M] {
     macro_rules! each {
         ($($v:ident),*) => {
-            match f {
-                // SAFETY: int8 forms exist on x86-64 only when AVX2, FMA and F16C were detected
-                $(Format::$v if f.block_values() == SUB => unsafe { dot_small_q8_avx2::<{ Format::$v as u8 }, M>(row, acts) },
-                Format::$v => unsafe { dot_blocks_q8_avx2::<{ Format::$v as u8 }, M>(row, acts) },)*
+            match (f, acts.vnni) {
+                // SAFETY: int8 forms exist on x86-64 only when AVX2, FMA and F16C were
+                // detected; per-lane forms (`acts.vnni`) only when AVX512-BW, VL and VNNI were
+                $((Format::$v, false) if f.block_values() == SUB => unsafe { dot_small_q8_avx2::<{ Format::$v as u8 }, M>(row, acts) },
+                (Format::$v, true) if f.block_values() == SUB => unsafe { dot_small_q8_vnni::<{ Format::$v as u8 }, M>(row, acts) },
+                (Format::$v, false) => unsafe { dot_blocks_q8_avx2::<{ Format::$v as u8 }, M>(row, acts) },
+                (Format::$v, true) => unsafe { dot_blocks_q8_vnni::<{ Format::$v as u8 }, M>(row, acts) },)*
             }
         };
     }
     each!(Q4_0, Q4_1, Q5_0, Q5_1, Q2K, Q3K, Q4K, Q5K, Q6K)
+}
+
+/// The sums of four byte products per 32-bit lane, unsigned `q` times signed `x` (every
+/// pair of products within 16 bits: the kept blocks' integers are below 64): AVX2's
+/// `maddubs` and `madd`, or with `VNNI` one `dpbusd`, which gives the same integers.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn byte_dots<const VNNI: bool>(q: std::arch::x86_64::__m256i, x: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    if VNNI {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x)
+    } else {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
+    }
+}
+
+/// The kept-block kernels built twice: for AVX2 and, with the byte dot products of
+/// AVX-512 VNNI on 256-bit registers (AVX512-VL, 32 registers), for the AVX-512 level.
+#[cfg(target_arch = "x86_64")]
+macro_rules! avx2_and_vnni {
+    ($($avx2:ident, $vnni:ident => $body:ident;)*) => {$(
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $avx2<const F: u8, const M: usize>(row: &[u8], acts: &Acts<'_, M>) -> [f32; M] {
+            $body::<F, M, false>(row, acts)
+        }
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        unsafe fn $vnni<const F: u8, const M: usize>(row: &[u8], acts: &Acts<'_, M>) -> [f32; M] {
+            $body::<F, M, true>(row, acts)
+        }
+    )*};
+}
+
+#[cfg(target_arch = "x86_64")]
+avx2_and_vnni! {
+    dot_blocks_q8_avx2, dot_blocks_q8_vnni => dot_blocks_q8_body;
+    dot_small_q8_avx2, dot_small_q8_vnni => dot_small_q8_body;
 }
 
 /// Bytes of values ahead of the block being read that the integer kernels prefetch (the
@@ -708,10 +754,11 @@ const PREFETCH: usize = 2048;
 /// minimum times the activations' sum (a block's 16 at once). For the K-quants; the
 /// one-sub-block formats have [`dot_small_q8_avx2`]. `M` inputs at once, each sub-block
 /// unpacked once for all of them.
+/// (Built by [`avx2_and_vnni`] as `dot_blocks_q8_avx2` and `dot_blocks_q8_vnni`.)
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[inline(always)]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by input
-unsafe fn dot_blocks_q8_avx2<const F: u8, const M: usize>(row: &[u8], acts: &Acts<'_, M>) -> [f32; M] {
+unsafe fn dot_blocks_q8_body<const F: u8, const M: usize, const VNNI: bool>(row: &[u8], acts: &Acts<'_, M>) -> [f32; M] {
     use std::arch::x86_64::*;
     let f = Format::from_id(F);
     let (subs, n) = (f.block_values() / SUB, row.len() / f.block_bytes());
@@ -719,7 +766,6 @@ unsafe fn dot_blocks_q8_avx2<const F: u8, const M: usize>(row: &[u8], acts: &Act
     // activation sums are two registers each
     assert!(subs == 8);
     assert!((0..M).all(|m| acts.xq[m].len() >= n * f.block_values() && acts.xd[m].len() >= n * subs && acts.half_sums[m].len() >= 2 * n * subs));
-    let ones = _mm256_set1_epi16(1);
     let (mut acc0, mut acc1, mut offset) = ([_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M]);
     for (b, block) in row.chunks_exact(f.block_bytes()).enumerate() {
         _mm_prefetch::<_MM_HINT_T0>(block.as_ptr().wrapping_add(PREFETCH) as *const i8);
@@ -739,7 +785,7 @@ unsafe fn dot_blocks_q8_avx2<const F: u8, const M: usize>(row: &[u8], acts: &Act
                 let scale = scales.scale[s];
                 for m in 0..M {
                     let x = _mm256_loadu_si256(acts.xq[m].as_ptr().add(k * SUB) as *const __m256i);
-                    let products = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+                    let products = byte_dots::<VNNI>(q, x);
                     let d = *acts.xd[m].get_unchecked(k);
                     let sv = _mm256_setr_m128(_mm_set1_ps(scale[0] * d), _mm_set1_ps(scale[1] * d));
                     $acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products), sv, $acc[m]);
@@ -763,16 +809,16 @@ unsafe fn dot_blocks_q8_avx2<const F: u8, const M: usize>(row: &[u8], acts: &Act
 /// terms likewise (eight minimums times the activations' eight block sums). The blocks'
 /// half-precision numbers are widened eight at a time and each block is unpacked once,
 /// for all `M` inputs. A row's last blocks (fewer than eight) run one by one.
+/// (Built by [`avx2_and_vnni`] as `dot_small_q8_avx2` and `dot_small_q8_vnni`.)
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
+#[inline(always)]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by input and block
-unsafe fn dot_small_q8_avx2<const F: u8, const M: usize>(row: &[u8], acts: &Acts<'_, M>) -> [f32; M] {
+unsafe fn dot_small_q8_body<const F: u8, const M: usize, const VNNI: bool>(row: &[u8], acts: &Acts<'_, M>) -> [f32; M] {
     use std::arch::x86_64::*;
     let f = Format::from_id(F);
     let (bytes, n) = (f.block_bytes(), row.len() / f.block_bytes());
     assert!(f.block_values() == SUB);
     assert!((0..M).all(|m| acts.xq[m].len() >= n * SUB && acts.xd[m].len() >= n && acts.block_sums[m].len() >= n));
-    let ones = _mm256_set1_epi16(1);
     let (mut acc, mut offset) = ([_mm256_setzero_ps(); M], [_mm256_setzero_ps(); M]);
     let groups = n / 8;
     for g in 0..groups {
@@ -799,7 +845,7 @@ unsafe fn dot_small_q8_avx2<const F: u8, const M: usize>(row: &[u8], acts: &Acts
             // a macro, not a closure: closures are compiled without the function's target features
             macro_rules! products {
                 ($k:literal) => {
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(q[$k], _mm256_loadu_si256(x.add($k * SUB) as *const __m256i)), ones)
+                    byte_dots::<VNNI>(q[$k], _mm256_loadu_si256(x.add($k * SUB) as *const __m256i))
                 };
             }
             let s01 = _mm256_hadd_epi32(products!(0), products!(1));
@@ -825,7 +871,7 @@ unsafe fn dot_small_q8_avx2<const F: u8, const M: usize>(row: &[u8], acts: &Acts
         let min = f.small_min(d, second);
         for m in 0..M {
             let x = _mm256_loadu_si256(acts.xq[m].as_ptr().add(b * SUB) as *const __m256i);
-            let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+            let sums = byte_dots::<VNNI>(q, x);
             tail[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * *acts.xd[m].get_unchecked(b)), tail[m]);
             tail_offset[m] += min * *acts.block_sums[m].get_unchecked(b);
         }
@@ -1227,7 +1273,8 @@ mod tests {
     /// Several inputs at once give, bit for bit, what each gives alone: every kept block
     /// format, Q8_0 and 16-bit rows, one to nine inputs (groups of four or eight and the
     /// rest), rows from 1 (groups of sixteen rows not aligned), on each integer kernel
-    /// this CPU runs.
+    /// this CPU runs. Where it runs both, the VNNI build of the AVX2 kernels (Q5_0, Q5_1,
+    /// the K-quants) gives the AVX2 build's numbers bit for bit.
     #[test]
     fn batched_rows_equal_single_rows_bit_for_bit() {
         use crate::kernels::blocks::tests::{random_blocks, ALL};
@@ -1242,6 +1289,7 @@ mod tests {
         matrices.push(QMatrix::new(QKind::F16, 40, 40, (0..40 * 40).flat_map(|i| f16::from_f32(i as f32 / 97.0 - 1.5).to_bits().to_le_bytes()).collect()).unwrap());
         for m in &matrices {
             let xs: Vec<Vec<f32>> = (0..9).map(|k| (0..m.cols()).map(|i| (((i + 5 * k) * 37 % 23) as f32 - 11.0) / 3.0).collect()).collect();
+            let mut by_level = Vec::new();
             for vnni in levels() {
                 let inputs: Vec<QInput> = xs.iter().map(|x| QMatrix::prepare_for(x, vnni)).collect();
                 let alone: Vec<Vec<f32>> = inputs.iter().map(|i| {
@@ -1255,6 +1303,12 @@ mod tests {
                     let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
                     m.mul_rows_batch(&refs, 1, &mut views);
                     assert_eq!(outs[..], alone[..n], "{:?}, {n} inputs (AVX-512: {vnni})", m.kind);
+                }
+                by_level.push(alone);
+            }
+            if let (QKind::Blocks(f), [avx2, vnni]) = (m.kind, &by_level[..]) {
+                if !matches!(f, Format::Q4_0 | Format::Q4_1) {
+                    assert_eq!(avx2, vnni, "{f:?}: the VNNI build against the AVX2 build");
                 }
             }
         }
