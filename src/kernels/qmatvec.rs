@@ -415,8 +415,8 @@ unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
 /// loaded once, every input's arithmetic exactly that of `M = 1`. As
 /// [`dot_small_q8_body`] does for the one-sub-block formats, eight blocks at a time:
 /// each block's 32 products summed to eight 32-bit lanes (`maddubs`, `madd`), the eight
-/// blocks' lanes folded by horizontal adds into one register of one block's sum per
-/// lane, then one conversion and one multiply-add with the eight blocks' scales times
+/// blocks' lanes folded into one register of one block's sum per lane
+/// ([`fold_blocks`]), then one conversion and one multiply-add with the eight blocks' scales times
 /// the activations' eight scales (per block and input one of each, and a scalar
 /// multiply and a broadcast, before); a row's last blocks (fewer than eight) one by one.
 /// Eight inputs a pass (was four), so the LM head of the default model (Q8_0) is read
@@ -451,14 +451,7 @@ unsafe fn dot_q8_0_avx2<const M: usize>(row: Row<'_>, acts: &Acts<'_, M>) -> [f3
                     _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned[$k], _mm256_sign_epi8(_mm256_loadu_si256(x.add($k * BLOCK) as *const __m256i), q($k))), ones)
                 };
             }
-            let s01 = _mm256_hadd_epi32(products!(0), products!(1));
-            let s23 = _mm256_hadd_epi32(products!(2), products!(3));
-            let s45 = _mm256_hadd_epi32(products!(4), products!(5));
-            let s67 = _mm256_hadd_epi32(products!(6), products!(7));
-            // lanes: blocks 0..4's sums over their low 128 bits, then over their high
-            let (lo, hi) = (_mm256_hadd_epi32(s01, s23), _mm256_hadd_epi32(s45, s67));
-            // lane k: block k's whole sum
-            let sums = _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(lo, hi), _mm256_permute2x128_si256::<0x31>(lo, hi));
+            let sums = fold_blocks([products!(0), products!(1), products!(2), products!(3), products!(4), products!(5), products!(6), products!(7)]);
             let scales = _mm256_mul_ps(d, _mm256_loadu_ps(acts.xd[m].as_ptr().add(g * 8)));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc[m]);
         }
@@ -477,6 +470,19 @@ unsafe fn dot_q8_0_avx2<const M: usize>(row: Row<'_>, acts: &Acts<'_, M>) -> [f3
         }
     }
     std::array::from_fn(|m| hsum(acc[m]) + hsum(tail[m]))
+}
+
+/// Eight blocks' sums, each given as eight 32-bit lanes, folded into one register whose
+/// lane k is block k's whole sum (horizontal adds, then the two halves added).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn fold_blocks(p: [std::arch::x86_64::__m256i; 8]) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let (s01, s23) = (_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    let (s45, s67) = (_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    // lanes: blocks 0..4's sums over their low 128 bits, then over their high
+    let (lo, hi) = (_mm256_hadd_epi32(s01, s23), _mm256_hadd_epi32(s45, s67));
+    _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(lo, hi), _mm256_permute2x128_si256::<0x31>(lo, hi))
 }
 
 /// One Q8_0 row against `M` inputs' int8 forms: AVX2 on x86-64, NEON on aarch64.
@@ -890,14 +896,7 @@ unsafe fn dot_small_q8_body<const F: u8, const M: usize, const VNNI: bool>(row: 
                     byte_dots::<VNNI>(q[$k], _mm256_loadu_si256(x.add($k * SUB) as *const __m256i))
                 };
             }
-            let s01 = _mm256_hadd_epi32(products!(0), products!(1));
-            let s23 = _mm256_hadd_epi32(products!(2), products!(3));
-            let s45 = _mm256_hadd_epi32(products!(4), products!(5));
-            let s67 = _mm256_hadd_epi32(products!(6), products!(7));
-            // lanes: blocks 0..4's sums over their low 128 bits, then over their high
-            let (lo, hi) = (_mm256_hadd_epi32(s01, s23), _mm256_hadd_epi32(s45, s67));
-            // lane k: block k's whole sum
-            let sums = _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(lo, hi), _mm256_permute2x128_si256::<0x31>(lo, hi));
+            let sums = fold_blocks([products!(0), products!(1), products!(2), products!(3), products!(4), products!(5), products!(6), products!(7)]);
             let scales = _mm256_mul_ps(d, _mm256_loadu_ps(acts.xd[m].as_ptr().add(g * 8)));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc[m]);
             offset[m] = _mm256_fmadd_ps(min, _mm256_loadu_ps(acts.block_sums[m].as_ptr().add(g * 8)), offset[m]);
