@@ -227,7 +227,8 @@ impl QMatrix {
 
     /// [`QMatrix::mul_rows`] for several inputs (`outs[m]` for `inputs[m]`): with the
     /// integer kernels (x86-64, aarch64), each row is read and unpacked once for up to
-    /// four inputs (eight with the x86-64 rows-in-lanes kernels), every result
+    /// four inputs (eight with the x86-64 rows-in-lanes kernels, AVX2's Q8_0 kernel and
+    /// the VNNI build of the other block types' kernels), every result
     /// bit-identical to `mul_rows`'s (the same arithmetic per input); the float paths run
     /// input by input.
     pub fn mul_rows_batch(&self, inputs: &[&QInput], first: usize, outs: &mut [&mut [f32]]) {
@@ -236,9 +237,8 @@ impl QMatrix {
         // which costs less than unpacking every block twice (`examples/qproducts_probe.rs`
         // on an AMD EPYC Zen 3, AVX2 only, 2026-12-03: eight inputs, one thread, the o
         // matrix from the second-level cache 132-133 -> 111 ns per block, from memory
-        // 115 / 89.5 -> 96.3 / 71.7, in turns)
-        // (the K-quants and Q5's VNNI build: 24 of its 32 registers for eight inputs'
-        // accumulators)
+        // 115 / 89.5 -> 96.3 / 71.7, in turns); the VNNI build of the K-quant and Q5
+        // kernels holds eight inputs' accumulators in 24 of its 32 registers
         let vnni = !inputs.is_empty() && inputs.iter().all(|i| i.starts.is_some());
         let width = match self.kind {
             QKind::Q8_0 | QKind::Blocks(_) if vnni => 8,
