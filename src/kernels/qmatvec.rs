@@ -933,8 +933,10 @@ unsafe fn dot_small_q8_body<const F: u8, const M: usize, const VNNI: bool>(row: 
 /// (one exclusive or), each input's
 /// eight byte dot products starting from minus 128 times its block's activation sum
 /// (which the additions put back), so that every lane ends at the signed products' sum
-/// exactly; then one conversion and one multiply-add with the rows' scales (gathered)
-/// times the activations' scale.
+/// exactly; then one conversion and one multiply-add with the rows' scales times the
+/// activations' scale (a full group's scales of eight blocks loaded and transposed
+/// together, as its bytes are: one block-row for one input from the second-level cache
+/// 0.87 -> 0.75 ns on the Zen 4, the rest the same within noise; gathered otherwise).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by input
@@ -951,7 +953,17 @@ unsafe fn rows_q8_0_vnni<const M: usize>(scales: &[f32], qs: &[u8], blocks: usiz
         let (base, scale_base) = (qs.as_ptr().add((first + g) * row_bytes), scales.as_ptr().add((first + g) * blocks));
         let (next, next_scales) = (base.wrapping_add(16 * row_bytes), scale_base.wrapping_add(16 * blocks) as *const u8);
         let mut acc = [_mm512_setzero_ps(); M];
+        // the rows' scales of eight blocks at a time (register k: block b + k's)
+        let mut scales8 = [_mm512_setzero_ps(); 8];
         for b in 0..blocks {
+            if b % 8 == 0 {
+                scales8 = if mask == 0xFFFF && b + 8 <= blocks {
+                    // a full group: each row's eight scales loaded and transposed in registers
+                    dwords_16x8(&std::array::from_fn(|r| _mm256_loadu_si256(scale_base.add(r * blocks + b) as *const __m256i))).map(|x| _mm512_castsi512_ps(x))
+                } else {
+                    std::array::from_fn(|k| if b + k < blocks { _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), mask, scale_offsets, scale_base.add(b + k) as *const _) } else { _mm512_setzero_ps() })
+                };
+            }
             // the next group's bytes and scales, a block's share of them at each block,
             // into the second-level cache: with rows of 1,536 values a group is 24 KB, and
             // two of them do not stay in a first level of 32 KB (an all-Q8_0 file on the
@@ -969,7 +981,7 @@ unsafe fn rows_q8_0_vnni<const M: usize>(scales: &[f32], qs: &[u8], blocks: usiz
                 std::array::from_fn(|t| _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, offsets, p.add(4 * t) as *const _))
             };
             let q: [__m512i; 8] = std::array::from_fn(|t| _mm512_xor_si512(words[t], flip));
-            let d = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), mask, scale_offsets, scale_base.add(b) as *const _);
+            let d = scales8[b % 8];
             for m in 0..M {
                 let x = acts.xq[m].as_ptr().add(b * BLOCK) as *const i32;
                 let xs = |t: usize| _mm512_set1_epi32(std::ptr::read_unaligned(x.add(t)));
