@@ -36,9 +36,7 @@ use half::slice::HalfFloatSliceExt;
 use half::f16;
 
 use crate::kernels::activation::exp;
-use crate::kernels::kv8::Q8Block;
-#[cfg(target_arch = "x86_64")]
-use crate::kernels::kv8::QK;
+use crate::kernels::kv8::{self, Q8Block, QK};
 use crate::kernels::matvec::kernel;
 use crate::kernels::team::{Shards, Team};
 #[cfg(target_arch = "x86_64")]
@@ -226,7 +224,9 @@ pub fn decode_attention_rows<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>]) 
 
 /// A task over a group of rows for one KV head: each row's query heads of that KV head,
 /// its cache and its positions in the task's chunk (empty: none).
-type ChunkFn<T> = fn(&[&[f32]], &[&LayerKv<'_, T>], usize, &[std::ops::Range<usize>]) -> Partials;
+/// With 8-bit keys, also each row's query heads rounded for them ([`kv8::Queries`];
+/// otherwise empty).
+type ChunkFn<T> = fn(&[&[f32]], &[kv8::QueryHeads<'_>], &[&LayerKv<'_, T>], usize, &[std::ops::Range<usize>]) -> Partials;
 
 /// [`decode_attention`] with a given chunk kernel (each instruction-set version is tested).
 fn attend_with<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, chunk: ChunkFn<T>) -> Vec<f32> {
@@ -249,14 +249,17 @@ fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: Ch
     let groups = (TASKS_PER_THREAD * team.threads()).div_ceil(kv_heads * chunks).clamp(1, rows.max(1));
     let per_group = rows.div_ceil(groups);
     let tasks: Vec<OnceLock<Partials>> = (0..groups * kv_heads * chunks).map(|_| OnceLock::new()).collect();
+    // 8-bit keys are scored against the queries rounded to int16: each row's, once
+    let rounded: Vec<kv8::Queries> = if T::as_q8(&[]).is_some() { qs.iter().map(|q| kv8::Queries::new(q, d)).collect() } else { Vec::new() };
     team.run(tasks.len(), &|t| {
         let (g, h, c) = (t / (kv_heads * chunks), t / chunks % kv_heads, t % chunks);
         let group = g * per_group..((g + 1) * per_group).min(rows);
         let q: Vec<&[f32]> = group.clone().map(|r| &qs[r][h * n_rep * d..(h + 1) * n_rep * d]).collect();
+        let q8: Vec<kv8::QueryHeads<'_>> = rounded.get(group.clone()).unwrap_or_default().iter().map(|q| q.heads(h * n_rep, n_rep)).collect();
         let spans: Vec<std::ops::Range<usize>> =
             group.clone().map(|r| if c < chunks_of(r) { c * CHUNK..((c + 1) * CHUNK).min(kvs[r].len) } else { 0..0 }).collect();
         // (a last group may be empty: rows are split into groups of per_group)
-        let _ = tasks[t].set(if group.is_empty() { Partials::new(0, d) } else { chunk(&q, &kvs[group], h, &spans) });
+        let _ = tasks[t].set(if group.is_empty() { Partials::new(0, d) } else { chunk(&q, &q8, &kvs[group], h, &spans) });
     });
     let tasks: Vec<Partials> = tasks.into_iter().map(|t| t.into_inner().expect("every task ran")).collect();
     // each row's chunks merged, one task a row (one row: on the caller)
@@ -290,16 +293,26 @@ fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: Ch
 
 /// One (KV head, chunk of positions) task for a group of rows, on the best instruction set
 /// the CPU has.
-fn chunk<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
+fn chunk<T: Stored>(qs: &[&[f32]], q8: &[kv8::QueryHeads<'_>], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
     match kernel() {
-        // SAFETY: the CPU has AVX-512F (checked at run time)
+        // SAFETY: the CPU has AVX-512F, BW and VNNI (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        crate::kernels::matvec::Kernel::Avx512 => unsafe { chunk_avx512(qs, kvs, h, spans) },
-        // SAFETY: the CPU has AVX2 and FMA (checked at run time)
+        crate::kernels::matvec::Kernel::Avx512 if avx512_bw() && std::is_x86_feature_detected!("avx512vnni") => unsafe { chunk_avx512_vnni(qs, q8, kvs, h, spans) },
+        // SAFETY: the CPU has AVX-512F and BW (checked at run time)
         #[cfg(target_arch = "x86_64")]
-        crate::kernels::matvec::Kernel::Avx2 => unsafe { chunk_avx2(qs, kvs, h, spans) },
-        _ => chunk_portable(qs, kvs, h, spans),
+        crate::kernels::matvec::Kernel::Avx512 if avx512_bw() => unsafe { chunk_avx512(qs, q8, kvs, h, spans) },
+        // SAFETY: the CPU has AVX2 and FMA (checked at run time; the AVX-512 level implies
+        // them: an AVX-512F CPU without BW takes the AVX2 task)
+        #[cfg(target_arch = "x86_64")]
+        crate::kernels::matvec::Kernel::Avx512 | crate::kernels::matvec::Kernel::Avx2 => unsafe { chunk_avx2(qs, q8, kvs, h, spans) },
+        _ => chunk_portable(qs, q8, kvs, h, spans),
     }
+}
+
+/// Whether the CPU has AVX512-BW (16-bit lanes), which the AVX-512 task's 8-bit keys take.
+#[cfg(target_arch = "x86_64")]
+fn avx512_bw() -> bool {
+    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
 }
 
 /// Positions per block of the AVX-512 task: one register's worth of scores.
@@ -334,14 +347,16 @@ trait Lanes {
     /// `i0`).
     #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize);
-    /// Keys in 8-bit blocks are scored from a transposed block, not from widened rows:
-    /// the block's `m` key rows (`rows`: m × d / 32 blocks) into `block`, dimension c's
-    /// values of the `LANES` positions at `block[c * LANES..]` as float32 integers
-    /// (unscaled, zero past m), then each group of 32 dimensions' scales at
-    /// `block[d * LANES + g * LANES..]`.
+    /// Keys in 8-bit blocks are scored in integers from a transposed block, not from
+    /// widened rows: the block's `m` key rows (`rows`: m × d / 32 blocks) into `block`
+    /// as int16 pairs, pair j of the `LANES` positions ([`kv8::pair_dims`]'s order within
+    /// each group of 32 dimensions, zero past m) in the 32-bit words
+    /// `block[j * LANES..][..LANES]`, then each group's key scales (float32) at
+    /// `block[d / 2 * LANES + g * LANES..]`.
     unsafe fn q8_keys(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]);
-    /// [`Lanes::score`] over a block [`Lanes::q8_keys`] wrote.
-    unsafe fn score_q8(q: &[f32], block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize);
+    /// [`Lanes::score`] over a block [`Lanes::q8_keys`] wrote, for the query heads `q`
+    /// rounded as [`kv8::Queries`] (each score that struct's sum, divided by √d).
+    unsafe fn score_q8(q: &kv8::QueryHeads<'_>, block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize);
 }
 
 /// The AVX-512 task: blocks of 16 positions; head sizes that are a multiple of 64.
@@ -349,11 +364,14 @@ trait Lanes {
 /// one transposing reduction (45 instructions) turns them into one register of 16
 /// scores, where a horizontal sum per score would take about 8 each. Values: groups of
 /// up to 4 query heads keep 4 × 64 dimensions of accumulators in registers over a block.
+///
+/// `VNNI`: 8-bit keys' int16 pairs multiplied and added in one instruction (AVX512-VNNI's
+/// `vpdpwssd`), else in two (AVX512-BW's `vpmaddwd` and an add); the same sums either way.
 #[cfg(target_arch = "x86_64")]
-struct Avx512;
+struct Avx512<const VNNI: bool>;
 
 #[cfg(target_arch = "x86_64")]
-impl Lanes for Avx512 {
+impl<const VNNI: bool> Lanes for Avx512<VNNI> {
     const LANES: usize = LANES;
     const AHEAD: usize = PF_K;
     const DIMS: usize = 64;
@@ -366,15 +384,19 @@ impl Lanes for Avx512 {
         q8_keys16(rows, m, d, block)
     }
     #[inline(always)]
-    unsafe fn score_q8(q: &[f32], block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
-        let heads = q.len() / d;
+    unsafe fn score_q8(q: &kv8::QueryHeads<'_>, block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+        let heads = q.scales.len() / (d / QK);
         for r0 in (0..heads).step_by(4) {
-            let (q, out) = (&q[r0 * d..], out.add(r0 * stride));
-            match heads - r0 {
-                1 => score_q8_16::<1>(q, block, d, m, out, stride),
-                2 => score_q8_16::<2>(q, block, d, m, out, stride),
-                3 => score_q8_16::<3>(q, block, d, m, out, stride),
-                _ => score_q8_16::<4>(q, block, d, m, out, stride),
+            let out = out.add(r0 * stride);
+            match (heads - r0, VNNI) {
+                (1, true) => score_q8_16_vnni::<1>(q, r0, block, d, m, out, stride),
+                (2, true) => score_q8_16_vnni::<2>(q, r0, block, d, m, out, stride),
+                (3, true) => score_q8_16_vnni::<3>(q, r0, block, d, m, out, stride),
+                (_, true) => score_q8_16_vnni::<4>(q, r0, block, d, m, out, stride),
+                (1, false) => score_q8_16_bw::<1>(q, r0, block, d, m, out, stride),
+                (2, false) => score_q8_16_bw::<2>(q, r0, block, d, m, out, stride),
+                (3, false) => score_q8_16_bw::<3>(q, r0, block, d, m, out, stride),
+                (_, false) => score_q8_16_bw::<4>(q, r0, block, d, m, out, stride),
             }
         }
     }
@@ -421,74 +443,103 @@ unsafe fn score16(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, s
 
 /// [`Avx512`]'s transposed 8-bit keys ([`Lanes::q8_keys`]): for each group of 32
 /// dimensions, the 16 rows' 32 int8 values are 16 × 8 dwords, transposed in registers
-/// ([`dwords_16x8`]) into 8 registers of one dword (4 dimensions) per position, whose
-/// bytes are then sign-extended and converted: 4 instructions or fewer per 16 values,
-/// and no horizontal sums when the block is scored.
+/// ([`dwords_16x8`]) into 8 registers of one dword (4 dimensions) per position, each
+/// split by 16-bit shifts into its even bytes and its odd bytes as int16 (dimensions 4k,
+/// 4k + 2 and 4k + 1, 4k + 3: [`kv8::pair_dims`]): 3 instructions per 32 values, once
+/// for all the query heads and rows that score the block.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn q8_keys16(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
     use std::arch::x86_64::*;
     let groups = d / QK;
-    debug_assert!(rows.len() == m * groups && m <= LANES && block.len() >= LANES * (d + groups));
+    debug_assert!(rows.len() == m * groups && m <= LANES && block.len() >= LANES * (d / 2 + groups));
     let out = block.as_mut_ptr();
+    let pairs = out as *mut __m512i;
     for g in 0..groups {
         let r: [__m256i; 16] =
             std::array::from_fn(|j| if j < m { _mm256_loadu_si256(rows[j * groups + g].values().as_ptr() as *const __m256i) } else { _mm256_setzero_si256() });
         for (k, &x) in dwords_16x8(&r).iter().enumerate() {
-            let dims = out.add((g * QK + 4 * k) * LANES);
-            _mm512_storeu_ps(dims, _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(x))));
-            _mm512_storeu_ps(dims.add(LANES), _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<16>(x))));
-            _mm512_storeu_ps(dims.add(2 * LANES), _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<8>(x))));
-            _mm512_storeu_ps(dims.add(3 * LANES), _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(x)));
+            let at = pairs.add(g * QK / 2 + 2 * k);
+            _mm512_storeu_si512(at as *mut _, _mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(x)));
+            _mm512_storeu_si512(at.add(1) as *mut _, _mm512_srai_epi16::<8>(x));
         }
         let scales: [f32; LANES] = std::array::from_fn(|j| if j < m { rows[j * groups + g].scale() } else { 0.0 });
-        _mm512_storeu_ps(out.add(d * LANES + g * LANES), _mm512_loadu_ps(scales.as_ptr()));
+        _mm512_storeu_ps(out.add(d / 2 * LANES + g * LANES), _mm512_loadu_ps(scales.as_ptr()));
     }
 }
 
-/// [`Avx512`]'s scores of `G` query heads over a block of transposed 8-bit keys: per
-/// group of 32 dimensions, each head's 16 scores in 4 registers of FMAs (a query value
-/// broadcast against one dimension's 16 positions), summed and multiplied by the group's
-/// scales.
+/// [`Avx512`]'s scores of `G` query heads (from `r0` of `q`) over a block of transposed
+/// 8-bit keys: per group of 32 dimensions, each head's 16 integer sums in 2 registers of
+/// pair products (a query pair broadcast against one pair of dimensions of 16 positions:
+/// `$dot`), then converted and multiplied by the keys' and the query's scales.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::needless_range_loop)] // register arrays indexed by head
-unsafe fn score_q8_16<const G: usize>(q: &[f32], block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
-    use std::arch::x86_64::*;
-    let mut total = [_mm512_setzero_ps(); G];
-    for g in 0..d / QK {
-        let mut acc = [[_mm512_setzero_ps(); 4]; G];
-        for c0 in (g * QK..(g + 1) * QK).step_by(4) {
-            for b in 0..4 {
-                let k = _mm512_loadu_ps(block.add((c0 + b) * LANES));
+macro_rules! score_q8_16 {
+    ($name:ident, $features:literal, $dot:ident) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::needless_range_loop)] // register arrays indexed by head
+        unsafe fn $name<const G: usize>(q: &kv8::QueryHeads<'_>, r0: usize, block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+            use std::arch::x86_64::*;
+            let (groups, keys) = (d / QK, block as *const __m512i);
+            let mut total = [_mm512_setzero_ps(); G];
+            for g in 0..groups {
+                let mut acc = [[_mm512_setzero_si512(); 2]; G];
+                for j in (0..QK / 2).step_by(2) {
+                    for b in 0..2 {
+                        let k = _mm512_loadu_si512(keys.add(g * QK / 2 + j + b) as *const _);
+                        for h in 0..G {
+                            let pair = _mm512_set1_epi32(*q.pairs.get_unchecked((r0 + h) * d / 2 + g * QK / 2 + j + b));
+                            acc[h][b] = $dot!(acc[h][b], k, pair);
+                        }
+                    }
+                }
+                let s = _mm512_loadu_ps(block.add(d / 2 * LANES + g * LANES));
                 for h in 0..G {
-                    acc[h][b] = _mm512_fmadd_ps(k, _mm512_set1_ps(*q.get_unchecked(h * d + c0 + b)), acc[h][b]);
+                    let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[h][0], acc[h][1]));
+                    let w = _mm512_mul_ps(s, _mm512_set1_ps(*q.scales.get_unchecked((r0 + h) * groups + g)));
+                    total[h] = if g == 0 { _mm512_mul_ps(sum, w) } else { _mm512_fmadd_ps(sum, w, total[h]) };
+                }
+            }
+            let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
+            for h in 0..G {
+                let s = _mm512_mul_ps(total[h], scale);
+                let o = out.add(h * stride);
+                if m == LANES {
+                    _mm512_storeu_ps(o, s);
+                } else {
+                    _mm512_mask_storeu_ps(o, ((1u32 << m) - 1) as u16, s);
                 }
             }
         }
-        let s = _mm512_loadu_ps(block.add(d * LANES + g * LANES));
-        for h in 0..G {
-            let sum = _mm512_add_ps(_mm512_add_ps(acc[h][0], acc[h][1]), _mm512_add_ps(acc[h][2], acc[h][3]));
-            total[h] = if g == 0 { _mm512_mul_ps(sum, s) } else { _mm512_fmadd_ps(sum, s, total[h]) };
-        }
-    }
-    let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
-    for h in 0..G {
-        let s = _mm512_mul_ps(total[h], scale);
-        let o = out.add(h * stride);
-        if m == LANES {
-            _mm512_storeu_ps(o, s);
-        } else {
-            _mm512_mask_storeu_ps(o, ((1u32 << m) - 1) as u16, s);
-        }
-    }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+macro_rules! dot_vnni {
+    ($acc:expr, $k:expr, $q:expr) => {
+        _mm512_dpwssd_epi32($acc, $k, $q)
+    };
+}
+#[cfg(target_arch = "x86_64")]
+macro_rules! dot_bw {
+    ($acc:expr, $k:expr, $q:expr) => {
+        _mm512_add_epi32($acc, _mm512_madd_epi16($k, $q))
+    };
+}
+score_q8_16!(score_q8_16_vnni, "avx512f,avx512bw,avx512vnni", dot_vnni);
+score_q8_16!(score_q8_16_bw, "avx512f,avx512bw", dot_bw);
+
+/// [`rows_task`] with AVX-512 (F and BW).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn chunk_avx512<T: Stored>(qs: &[&[f32]], q8: &[kv8::QueryHeads<'_>], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
+    rows_task::<Avx512<false>, T>(qs, q8, kvs, h, spans)
 }
 
-/// [`rows_task`] with AVX-512.
+/// [`rows_task`] with AVX-512 and VNNI (8-bit keys' pairs in one instruction).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn chunk_avx512<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
-    rows_task::<Avx512, T>(qs, kvs, h, spans)
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn chunk_avx512_vnni<T: Stored>(qs: &[&[f32]], q8: &[kv8::QueryHeads<'_>], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
+    rows_task::<Avx512<true>, T>(qs, q8, kvs, h, spans)
 }
 
 /// One (KV head, chunk) task for a group of rows, block by block of `L::LANES` positions:
@@ -499,10 +550,10 @@ unsafe fn chunk_avx512<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usi
 /// is alone (the same blocks in the same order).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
+unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], q8: &[kv8::QueryHeads<'_>], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
     let d = kvs[0].head_dim;
     if !d.is_multiple_of(L::DIMS) {
-        return chunk_portable(qs, kvs, h, spans);
+        return chunk_portable(qs, q8, kvs, h, spans);
     }
     let lanes = L::LANES;
     let n_rep = qs[0].len() / d;
@@ -530,7 +581,8 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>],
         let (scores, block) = (&mut scores_buffer, &mut block_buffer);
         scores.clear();
         scores.resize(total, 0.0);
-        // 8-bit keys scored from a transposed block (its scales after it)
+        // 8-bit keys scored in integers from a transposed block (its scales after it),
+        // against each row's queries rounded once
         let transposed = T::as_q8(&[]).is_some();
         block.resize(lanes * (d + d / QK), 0.0);
         let mut ahead = Ahead::default();
@@ -560,7 +612,7 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>],
                 rows_left -= 1;
                 let out = scores.as_mut_ptr().add(offsets[r] + i0);
                 if transposed {
-                    L::score_q8(qs[r], k, d, m, out, n);
+                    L::score_q8(&q8[r], k, d, m, out, n);
                 } else {
                     L::score(qs[r], k, d, m, out, n);
                 }
@@ -747,14 +799,14 @@ impl Lanes for Avx2 {
         q8_keys8(rows, m, d, block)
     }
     #[inline(always)]
-    unsafe fn score_q8(q: &[f32], block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
-        let heads = q.len() / d;
+    unsafe fn score_q8(q: &kv8::QueryHeads<'_>, block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+        let heads = q.scales.len() / (d / QK);
         for r0 in (0..heads).step_by(3) {
-            let (q, out) = (&q[r0 * d..], out.add(r0 * stride));
+            let out = out.add(r0 * stride);
             match heads - r0 {
-                1 => score_q8_8::<1>(q, block, d, m, out, stride),
-                2 => score_q8_8::<2>(q, block, d, m, out, stride),
-                _ => score_q8_8::<3>(q, block, d, m, out, stride),
+                1 => score_q8_8::<1>(q, r0, block, d, m, out, stride),
+                2 => score_q8_8::<2>(q, r0, block, d, m, out, stride),
+                _ => score_q8_8::<3>(q, r0, block, d, m, out, stride),
             }
         }
     }
@@ -807,51 +859,47 @@ unsafe fn score8(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, st
 unsafe fn q8_keys8(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
     use std::arch::x86_64::*;
     let groups = d / QK;
-    debug_assert!(rows.len() == m * groups && m <= LANES8 && block.len() >= LANES8 * (d + groups));
+    debug_assert!(rows.len() == m * groups && m <= LANES8 && block.len() >= LANES8 * (d / 2 + groups));
     let out = block.as_mut_ptr();
+    let pairs = out as *mut __m256i;
     for g in 0..groups {
         let r: [__m256i; 8] =
             std::array::from_fn(|j| if j < m { _mm256_loadu_si256(rows[j * groups + g].values().as_ptr() as *const __m256i) } else { _mm256_setzero_si256() });
         for (k, &x) in dwords_8x8(&r).iter().enumerate() {
-            let dims = out.add((g * QK + 4 * k) * LANES8);
-            _mm256_storeu_ps(dims, _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(x))));
-            _mm256_storeu_ps(dims.add(LANES8), _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(_mm256_slli_epi32::<16>(x))));
-            _mm256_storeu_ps(dims.add(2 * LANES8), _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(_mm256_slli_epi32::<8>(x))));
-            _mm256_storeu_ps(dims.add(3 * LANES8), _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(x)));
+            let at = pairs.add(g * QK / 2 + 2 * k);
+            _mm256_storeu_si256(at, _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(x)));
+            _mm256_storeu_si256(at.add(1), _mm256_srai_epi16::<8>(x));
         }
         let scales: [f32; LANES8] = std::array::from_fn(|j| if j < m { rows[j * groups + g].scale() } else { 0.0 });
-        _mm256_storeu_ps(out.add(d * LANES8 + g * LANES8), _mm256_loadu_ps(scales.as_ptr()));
+        _mm256_storeu_ps(out.add(d / 2 * LANES8 + g * LANES8), _mm256_loadu_ps(scales.as_ptr()));
     }
 }
 
-/// [`score_q8_16`] with AVX2's sixteen registers: up to 3 query heads at a time (12
-/// accumulators, a key register and a query value in the inner loop). Each head's
-/// arithmetic is the same whatever `G`, so the scores are too. Three heads at once instead of two and one (SmolLM2's 3
-/// query heads per KV head): each key loaded once for the three, and the third head no
-/// longer four chains of multiply-adds alone, bound by their latency.
-/// `examples/attention_probe.rs`'s case alone (eight rows over one layer's 2,048 8-bit
-/// positions, hot, one thread; AMD EPYC Zen 3, 2026-12-03, builds in turns, 3 runs
-/// each): median 1,128-1,134 -> 997-1,006 us.
+/// [`score_q8_16_bw`] with AVX2's registers: up to 3 query heads at a time (6 integer
+/// accumulators of pair products: `vpmaddwd` and an add).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by head
-unsafe fn score_q8_8<const G: usize>(q: &[f32], block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+unsafe fn score_q8_8<const G: usize>(q: &kv8::QueryHeads<'_>, r0: usize, block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
     use std::arch::x86_64::*;
+    let (groups, keys) = (d / QK, block as *const __m256i);
     let mut total = [_mm256_setzero_ps(); G];
-    for g in 0..d / QK {
-        let mut acc = [[_mm256_setzero_ps(); 4]; G];
-        for c0 in (g * QK..(g + 1) * QK).step_by(4) {
-            for b in 0..4 {
-                let k = _mm256_loadu_ps(block.add((c0 + b) * LANES8));
+    for g in 0..groups {
+        let mut acc = [[_mm256_setzero_si256(); 2]; G];
+        for j in (0..QK / 2).step_by(2) {
+            for b in 0..2 {
+                let k = _mm256_loadu_si256(keys.add(g * QK / 2 + j + b));
                 for h in 0..G {
-                    acc[h][b] = _mm256_fmadd_ps(k, _mm256_set1_ps(*q.get_unchecked(h * d + c0 + b)), acc[h][b]);
+                    let pair = _mm256_set1_epi32(*q.pairs.get_unchecked((r0 + h) * d / 2 + g * QK / 2 + j + b));
+                    acc[h][b] = _mm256_add_epi32(acc[h][b], _mm256_madd_epi16(k, pair));
                 }
             }
         }
-        let s = _mm256_loadu_ps(block.add(d * LANES8 + g * LANES8));
+        let s = _mm256_loadu_ps(block.add(d / 2 * LANES8 + g * LANES8));
         for h in 0..G {
-            let sum = _mm256_add_ps(_mm256_add_ps(acc[h][0], acc[h][1]), _mm256_add_ps(acc[h][2], acc[h][3]));
-            total[h] = if g == 0 { _mm256_mul_ps(sum, s) } else { _mm256_fmadd_ps(sum, s, total[h]) };
+            let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(acc[h][0], acc[h][1]));
+            let w = _mm256_mul_ps(s, _mm256_set1_ps(*q.scales.get_unchecked((r0 + h) * groups + g)));
+            total[h] = if g == 0 { _mm256_mul_ps(sum, w) } else { _mm256_fmadd_ps(sum, w, total[h]) };
         }
     }
     let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
@@ -871,8 +919,8 @@ unsafe fn score_q8_8<const G: usize>(q: &[f32], block: *const f32, d: usize, m: 
 /// [`rows_task`] with AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn chunk_avx2<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
-    rows_task::<Avx2, T>(qs, kvs, h, spans)
+unsafe fn chunk_avx2<T: Stored>(qs: &[&[f32]], q8: &[kv8::QueryHeads<'_>], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
+    rows_task::<Avx2, T>(qs, q8, kvs, h, spans)
 }
 
 /// [`accumulate`] with AVX2 registers: `G` query heads × 16 dimensions at a time, held in
@@ -934,14 +982,14 @@ unsafe fn reduce8(x: &[std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m2
 /// The portable task: row by row (inlined into each instruction-set version, which takes
 /// it for head sizes its blocks do not fit).
 #[inline(always)]
-fn chunk_portable<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
+fn chunk_portable<T: Stored>(qs: &[&[f32]], q8: &[kv8::QueryHeads<'_>], kvs: &[&LayerKv<'_, T>], h: usize, spans: &[std::ops::Range<usize>]) -> Partials {
     let (d, n_rep) = (kvs[0].head_dim, qs[0].len() / kvs[0].head_dim);
     let mut parts = Partials::new(spans.len() * n_rep, d);
     for (r, ((q, kv), s)) in qs.iter().zip(kvs).zip(spans).enumerate() {
         if !s.is_empty() {
             let e = r * n_rep..(r + 1) * n_rep;
             let out = (&mut parts.max[e.clone()], &mut parts.sum[e], &mut parts.acc[r * n_rep * d..(r + 1) * n_rep * d]);
-            portable_row(q, kv, h, s.clone(), out);
+            portable_row(q, q8.get(r), kv, h, s.clone(), out);
         }
     }
     parts
@@ -953,43 +1001,67 @@ type RowParts<'p> = (&'p mut [f32], &'p mut [f32], &'p mut [f32]);
 /// One row of the portable task. A float16 or 8-bit chunk is widened into a buffer of the
 /// thread first.
 #[inline(always)]
-fn portable_row<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>, out: RowParts<'_>) {
+fn portable_row<T: Stored>(q: &[f32], q8: Option<&kv8::QueryHeads<'_>>, kv: &LayerKv<'_, T>, h: usize, positions: std::ops::Range<usize>, out: RowParts<'_>) {
     let d = kv.head_dim;
     let n = positions.len();
     let runs: Vec<(&[T], &[T])> = kv.runs(h, positions).collect();
+    let (n_rep, scale) = (q.len() / d, 1.0 / (d as f32).sqrt());
     match runs.iter().map(|&(k, v)| T::as_f32(k).zip(T::as_f32(v))).collect::<Option<Vec<_>>>() {
-        Some(runs) => chunk_f32(q, &runs, n, d, out),
+        Some(runs) => {
+            let scores = f32_scores(q, runs.iter().flat_map(|&(k, _)| k.chunks_exact(d)), n, d);
+            weigh(scores, runs.iter().flat_map(|&(_, v)| v.chunks_exact(d)), n, d, out)
+        }
         None => WIDE.with(|w| {
             let (wk, wv) = &mut *w.borrow_mut();
             wk.resize(n * d, 0.0);
             wv.resize(n * d, 0.0);
             let mut at = 0;
-            for (k, v) in runs {
+            for &(k, v) in &runs {
                 let m = k.len() * T::PER;
-                T::widen_into(k, &mut wk[at..at + m]);
+                if q8.is_none() {
+                    T::widen_into(k, &mut wk[at..at + m]);
+                }
                 T::widen_into(v, &mut wv[at..at + m]);
                 at += m;
             }
-            chunk_f32(q, &[(&wk[..], &wv[..])], n, d, out)
+            let scores = if let Some(queries) = q8 {
+                // 8-bit keys scored in integers from their blocks, as the SIMD paths do
+                let mut scores = vec![0.0f32; n_rep * n];
+                let keys = runs.iter().flat_map(|&(k, _)| T::as_q8(k).expect("8-bit keys").chunks_exact(d / QK));
+                for (i, key) in keys.enumerate() {
+                    for r in 0..n_rep {
+                        scores[r * n + i] = queries.score(r, key) * scale;
+                    }
+                }
+                scores
+            } else {
+                f32_scores(q, wk.chunks_exact(d), n, d)
+            };
+            weigh(scores, wv.chunks_exact(d), n, d, out)
         }),
     }
 }
 
-/// The portable task over `n` positions whose keys and values, (positions, d) each as
-/// float32, come in `runs`.
+/// The portable task's scaled scores of each query head of `q` against `n` float32 keys of
+/// `d` values: (heads, n).
 #[inline(always)]
-fn chunk_f32(q: &[f32], runs: &[(&[f32], &[f32])], n: usize, d: usize, (max, sum, acc): RowParts<'_>) {
+fn f32_scores<'k>(q: &[f32], keys: impl Iterator<Item = &'k [f32]>, n: usize, d: usize) -> Vec<f32> {
     let n_rep = q.len() / d;
     let scale = 1.0 / (d as f32).sqrt();
     let mut scores = vec![0.0f32; n_rep * n];
-    let keys = runs.iter().flat_map(|&(k, _)| k.chunks_exact(d));
     for (i, k) in keys.enumerate() {
         for r in 0..n_rep {
             scores[r * n + i] = dot(&q[r * d..][..d], k) * scale;
         }
     }
+    scores
+}
+
+/// The portable task's end over `n` positions: each query head's scores (heads, n)
+/// exponentiated, and its values (float32 rows of `d`) added up with those weights.
+#[inline(always)]
+fn weigh<'v>(mut scores: Vec<f32>, values: impl Iterator<Item = &'v [f32]>, n: usize, d: usize, (max, sum, acc): RowParts<'_>) {
     exponentiate(&mut scores, n, max, sum);
-    let values = runs.iter().flat_map(|&(_, v)| v.chunks_exact(d));
     for (i, v) in values.enumerate() {
         for (r, acc) in acc.chunks_exact_mut(d).enumerate() {
             axpy(acc, scores[r * n + i], v);
@@ -1348,8 +1420,16 @@ pub(crate) mod tests {
                 let (k8, k8f) = eight_bit(&keys);
                 let (v8, v8f) = eight_bit(&values);
                 let kv8 = LayerKv::contiguous(as_blocks(&k8), as_blocks(&v8), kv_heads, capacity, len, d);
-                let want = reference(&q, &LayerKv::contiguous(&k8f, &v8f, kv_heads, capacity, len, d));
+                // decode scores the 8-bit keys against the queries rounded to int16
+                // (kv8::Queries): float64 over those numbers leaves float32 rounding
+                let rounded_q = kv8::Queries::new(&q, d).rounded();
+                let want = reference(&rounded_q, &LayerKv::contiguous(&k8f, &v8f, kv_heads, capacity, len, d));
                 check_every_path(&q, &kv8, &want, &format!("case {case}, 8-bit"));
+                // and the rounding of the queries moves the result by little: within 1e-4
+                // of float64 over the queries as given (worst seen 2e-5)
+                let exact = reference(&q, &LayerKv::contiguous(&k8f, &v8f, kv_heads, capacity, len, d));
+                let moved = want.iter().zip(&exact).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                assert!(moved < 1e-4, "case {case}: rounding the queries moved the result by {moved}");
                 // prefill over the same blocks: the last positions, each over those up to it
                 let seq = len.min(5);
                 let qs: Vec<f32> = random(kv_heads * n_rep * seq * d, 400 + case as u64).iter().map(|x| 4.0 * x).collect();
@@ -1403,15 +1483,8 @@ pub(crate) mod tests {
                 let kv = LayerKv { blocks: kb.iter().zip(&vb).map(|(k, v)| (&k[..], &v[..])).collect(), block_len, kv_heads, len, head_dim: d };
                 let (kb16, vb16) = (blocks_of(&k16, kv_heads, len, d, block_len), blocks_of(&v16, kv_heads, len, d, block_len));
                 let kv16 = LayerKv { blocks: kb16.iter().zip(&vb16).map(|(k, v)| (&k[..], &v[..])).collect(), block_len, kv_heads, len, head_dim: d };
-                for k in Kernel::available() {
-                    let run = |kv: &LayerKv<'_>| match k {
-                        #[cfg(target_arch = "x86_64")]
-                        Kernel::Avx512 => attend_with(&q, kv, |q, kv, h, s| unsafe { chunk_avx512(q, kv, h, s) }),
-                        #[cfg(target_arch = "x86_64")]
-                        Kernel::Avx2 => attend_with(&q, kv, |q, kv, h, s| unsafe { chunk_avx2(q, kv, h, s) }),
-                        _ => attend_with(&q, kv, chunk_portable),
-                    };
-                    assert_eq!(run(&kv), run(&whole), "case {case}, blocks of {block_len}, {k:?}");
+                for (k, f) in paths() {
+                    assert_eq!(attend_with(&q, &kv, f), attend_with(&q, &whole, f), "case {case}, blocks of {block_len}, {k}");
                 }
                 assert_eq!(decode_attention(&q, &kv16), decode_attention(&q, &whole16), "case {case}, float16 blocks of {block_len}");
                 // 8-bit blocks: each block's rows of blocks of 32 values, read through the table
@@ -1420,7 +1493,9 @@ pub(crate) mod tests {
                 let (kb8, vb8) = (blocks_of(&k8, kv_heads, len, row, block_len), blocks_of(&v8, kv_heads, len, row, block_len));
                 let kv8 = LayerKv { blocks: kb8.iter().zip(&vb8).map(|(k, v)| (as_blocks(k), as_blocks(v))).collect(), block_len, kv_heads, len, head_dim: d };
                 let whole8 = LayerKv::contiguous(as_blocks(&k8), as_blocks(&v8), kv_heads, len, len, d);
-                assert_eq!(decode_attention(&q, &kv8), decode_attention(&q, &whole8), "case {case}, 8-bit blocks of {block_len}");
+                for (k, f) in paths() {
+                    assert_eq!(attend_with(&q, &kv8, f), attend_with(&q, &whole8, f), "case {case}, 8-bit blocks of {block_len}, {k}");
+                }
                 assert_eq!(prefill_attention_widened(&q, 1, &kv8), prefill_attention_widened(&q, 1, &whole8), "case {case}: 8-bit prefill");
                 let qs: Vec<f32> = random(kv_heads * n_rep * seq * d, 350 + case as u64).iter().map(|x| 4.0 * x).collect();
                 let got = prefill_attention(&qs, seq, &kv);
@@ -1453,20 +1528,13 @@ pub(crate) mod tests {
         fn check<T: Stored>(shared: &[Vec<T>], shared_v: &[Vec<T>], other: &[Vec<T>], other_v: &[Vec<T>], lens: &[usize], qs: &[Vec<f32>], what: &str) {
             let mut kvs: Vec<LayerKv<'_, T>> = lens.iter().map(|&n| layer(shared, shared_v, n)).collect();
             kvs.insert(3, layer(other, other_v, 40));
-            for k in Kernel::available() {
-                let f: ChunkFn<T> = match k {
-                    #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx512 => |q, kv, h, s| unsafe { chunk_avx512(q, kv, h, s) },
-                    #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx2 => |q, kv, h, s| unsafe { chunk_avx2(q, kv, h, s) },
-                    _ => chunk_portable,
-                };
+            for (k, f) in paths::<T>() {
                 for rows in [1, 2, 4, kvs.len()] {
                     let q_refs: Vec<&[f32]> = qs[..rows].iter().map(|q| &q[..]).collect();
                     let kv_refs: Vec<&LayerKv<'_, T>> = kvs[..rows].iter().collect();
                     let together = attend_rows_with(&q_refs, &kv_refs, f);
                     for r in 0..rows {
-                        assert_eq!(together[r], attend_with(&qs[r], &kvs[r], f), "{what}, {k:?}, {rows} rows, row {r}");
+                        assert_eq!(together[r], attend_with(&qs[r], &kvs[r], f), "{what}, {k}, {rows} rows, row {r}");
                     }
                 }
             }
@@ -1488,22 +1556,34 @@ pub(crate) mod tests {
         (h, f)
     }
 
+    /// Every chunk kernel this CPU runs, named: one per SIMD level, and at the AVX-512
+    /// level both forms of the 8-bit keys' products (with and without VNNI).
+    fn paths<T: Stored>() -> Vec<(String, ChunkFn<T>)> {
+        let mut paths: Vec<(String, ChunkFn<T>)> = Vec::new();
+        for k in Kernel::available() {
+            match k {
+                // SAFETY: `available` lists the levels this CPU runs; BW and VNNI checked
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Avx512 => {
+                    if avx512_bw() {
+                        paths.push(("Avx512 (BW)".into(), |q, q8, kv, h, s| unsafe { chunk_avx512(q, q8, kv, h, s) }));
+                    }
+                    if avx512_bw() && std::is_x86_feature_detected!("avx512vnni") {
+                        paths.push(("Avx512 (VNNI)".into(), |q, q8, kv, h, s| unsafe { chunk_avx512_vnni(q, q8, kv, h, s) }));
+                    }
+                }
+                #[cfg(target_arch = "x86_64")]
+                Kernel::Avx2 => paths.push(("Avx2".into(), |q, q8, kv, h, s| unsafe { chunk_avx2(q, q8, kv, h, s) })),
+                _ => paths.push((format!("{k:?}"), chunk_portable)),
+            }
+        }
+        paths
+    }
+
     /// Each chunk kernel the CPU can run, and the dispatched one, against `want`.
     fn check_every_path<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, want: &[f64], what: &str) {
-        let mut paths: Vec<(Kernel, Vec<f32>)> = Kernel::available()
-            .into_iter()
-            .map(|k| {
-                let got = match k {
-                    #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx512 => attend_with(q, kv, |q, kv, h, s| unsafe { chunk_avx512(q, kv, h, s) }),
-                    #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx2 => attend_with(q, kv, |q, kv, h, s| unsafe { chunk_avx2(q, kv, h, s) }),
-                    _ => attend_with(q, kv, chunk_portable),
-                };
-                (k, got)
-            })
-            .collect();
-        paths.push((kernel(), decode_attention(q, kv)));
+        let mut paths: Vec<(String, Vec<f32>)> = paths().into_iter().map(|(name, f)| (name, attend_with(q, kv, f))).collect();
+        paths.push((format!("dispatched {:?}", kernel()), decode_attention(q, kv)));
         for (path, got) in paths {
             let err = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
             assert!(err < 1e-5, "{what} on {path:?}: max error {err}");

@@ -156,6 +156,115 @@ unsafe fn widen_avx2(src: &[Q8Block], dst: &mut [f32]) {
     }
 }
 
+/// Largest int16 a query value is rounded to ([`Queries`]).
+const Q16_MAX: f64 = 32767.0;
+
+/// Queries scored against 8-bit keys, rounded to int16 so that a block's score is one
+/// integer sum: per query head and block of [`QK`] dimensions, each value to the nearest
+/// multiple of the block's largest magnitude / 32,767 (off by at most 2^-16 of that
+/// magnitude: about 1/260 of the 8-bit keys' own rounding, which is 1/254 of their
+/// block's largest value). A block's 32 products of int16 and int8 values sum exactly in
+/// 32 bits (at most 32 · 32,767 · 127 < 2^31), so the score of a key is, over its blocks
+/// g, Σ_g sum_g × (key scale_g × query scale_g), whatever the instruction set: where the
+/// float32 path widened each key value and made 32 multiply-adds per query head, the
+/// integer path makes 16 multiply-adds of pairs (or 32 of AVX2's) per block of positions.
+/// Rounded from float64, so every finite query is rounded to a finite scale and int16
+/// values; a non-finite block has a non-finite scale and zero values, and so a
+/// non-finite score, as the float path gives.
+pub struct Queries {
+    /// heads × d: the int16 values in their dimensions' order
+    values: Vec<i16>,
+    /// heads × d / 2: the values in pairs, two int16 in each 32-bit word, per block in
+    /// the order of [`pair_dims`] (the order the SIMD paths' transposed keys come in)
+    pairs: Vec<i32>,
+    /// heads × d / [`QK`]: each block's step (one int16 unit as a float32 number)
+    scales: Vec<f32>,
+    d: usize,
+}
+
+/// Some consecutive heads of [`Queries`] (those of one KV head), as the scoring reads them.
+#[derive(Clone, Copy)]
+pub struct QueryHeads<'a> {
+    values: &'a [i16],
+    /// heads × d / 2 pairs ([`pair_dims`])
+    pub pairs: &'a [i32],
+    /// heads × d / [`QK`] steps
+    pub scales: &'a [f32],
+}
+
+/// The two dimensions (within a block of [`QK`]) of pair `j` of [`Queries::pairs`]: pair
+/// 2k holds dimensions 4k and 4k + 2, pair 2k + 1 dimensions 4k + 1 and 4k + 3 (one
+/// 32-bit word of 4 int8 key values split by 16-bit shifts into its even and odd bytes).
+pub fn pair_dims(j: usize) -> (usize, usize) {
+    let first = j / 2 * 4 + j % 2;
+    (first, first + 2)
+}
+
+impl Queries {
+    /// `q`: query heads × `d` (a multiple of [`QK`]).
+    pub fn new(q: &[f32], d: usize) -> Self {
+        debug_assert!(d.is_multiple_of(QK) && q.len().is_multiple_of(d));
+        let mut values = vec![0i16; q.len()];
+        let mut scales = Vec::with_capacity(q.len() / QK);
+        for (x, v) in q.chunks_exact(QK).zip(values.chunks_exact_mut(QK)) {
+            // (a NaN is not a maximum: `max` passes over it)
+            let finite = x.iter().all(|a| a.is_finite());
+            let amax = x.iter().fold(0f64, |m, &a| m.max((a as f64).abs()));
+            if finite && amax > 0.0 {
+                let inv = Q16_MAX / amax;
+                for (v, &a) in v.iter_mut().zip(x) {
+                    // to the nearest integer (ties to even) by adding and taking away
+                    // 1.5 · 2^52, exact for magnitudes below 2^51: no call to a library
+                    // `round` (one per value was 2 % of a decode task)
+                    const SNAP: f64 = 6_755_399_441_055_744.0;
+                    *v = ((a as f64 * inv + SNAP) - SNAP).clamp(-Q16_MAX, Q16_MAX) as i16;
+                }
+            }
+            // a non-finite block: a NaN step (its values stay zero)
+            scales.push(if finite { (amax / Q16_MAX) as f32 } else { f32::NAN });
+        }
+        let mut pairs = vec![0i32; q.len() / 2];
+        for (v, p) in values.chunks_exact(QK).zip(pairs.chunks_exact_mut(QK / 2)) {
+            for (j, p) in p.iter_mut().enumerate() {
+                let (a, b) = pair_dims(j);
+                *p = (v[a] as u16 as u32 | (v[b] as u16 as u32) << 16) as i32;
+            }
+        }
+        Self { values, pairs, scales, d }
+    }
+
+    /// Heads `first..first + count`.
+    pub fn heads(&self, first: usize, count: usize) -> QueryHeads<'_> {
+        let (d, groups) = (self.d, self.d / QK);
+        QueryHeads {
+            values: &self.values[first * d..(first + count) * d],
+            pairs: &self.pairs[first * d / 2..(first + count) * d / 2],
+            scales: &self.scales[first * groups..(first + count) * groups],
+        }
+    }
+
+    /// The rounded queries as float32 numbers (what the scores are exact products of).
+    #[cfg(test)]
+    pub fn rounded(&self) -> Vec<f32> {
+        self.values.iter().enumerate().map(|(i, &v)| v as f32 * self.scales[i / QK]).collect()
+    }
+}
+
+impl QueryHeads<'_> {
+    /// Head `head`'s score of one key (its `d / QK` blocks), not yet divided by √d: the
+    /// portable path, and the reference the SIMD paths are tested against.
+    pub fn score(&self, head: usize, key: &[Q8Block]) -> f32 {
+        let groups = key.len();
+        let mut total = 0f32;
+        for (g, b) in key.iter().enumerate() {
+            let q = &self.values[(head * groups + g) * QK..][..QK];
+            let sum: i32 = q.iter().zip(&b.qs).map(|(&a, &k)| a as i32 * k as i32).sum();
+            total += sum as f32 * (b.scale() * self.scales[head * groups + g]);
+        }
+        total
+    }
+}
+
 impl Stored for Q8Block {
     const PER: usize = QK;
     fn as_f32(_: &[Q8Block]) -> Option<&[f32]> {
@@ -173,6 +282,51 @@ impl Stored for Q8Block {
 mod tests {
     use super::*;
     use crate::kernels::attention::tests::random;
+
+    #[test]
+    fn queries_round_within_half_a_step_and_score_exactly() {
+        // a head of 64: a block of mixed magnitudes and a block of zeros; then blocks with
+        // an infinity and a NaN
+        let d = 2 * QK;
+        let mut q: Vec<f32> = random(3 * d, 5).iter().enumerate().map(|(i, v)| v * [3.0, 1e-30, 700.0][i / d]).collect();
+        q[QK..2 * QK].fill(0.0);
+        q[2 * d + 3] = 1e5;
+        let queries = Queries::new(&q, d);
+        let rounded = queries.rounded();
+        for (b, (x, r)) in q.chunks_exact(QK).zip(rounded.chunks_exact(QK)).enumerate() {
+            let amax = x.iter().fold(0f64, |m, &v| m.max((v as f64).abs()));
+            assert_eq!(queries.scales[b] as f64, (amax / Q16_MAX) as f32 as f64, "block {b}");
+            for (&v, &w) in x.iter().zip(r) {
+                // half a step, plus the float32 rounding of the step and of the product
+                let bound = amax / Q16_MAX * (0.5 + 1e-6) + (w as f64).abs() * f32::EPSILON as f64;
+                assert!((v as f64 - w as f64).abs() <= bound, "block {b}: {v} rounded to {w} (step {})", queries.scales[b]);
+            }
+        }
+        assert!(rounded[QK..2 * QK].iter().all(|&w| w == 0.0) && queries.scales[1] == 0.0);
+        // pairs hold the values in pair_dims' order
+        for (j, &p) in queries.pairs[..QK / 2].iter().enumerate() {
+            let (a, b) = pair_dims(j);
+            assert_eq!((p as u32 as u16 as i16, (p as u32 >> 16) as u16 as i16), (queries.values[a], queries.values[b]), "pair {j}");
+        }
+        // a score is the float64 sum over the rounded numbers, to float32 rounding
+        let keys: Vec<f32> = random(d, 6).iter().map(|v| v * 2.0).collect();
+        let mut bytes = vec![0u8; row_bytes(d)];
+        quantize_into(&keys, &mut bytes);
+        let mut wide = vec![0f32; d];
+        widen_portable(as_blocks(&bytes), &mut wide);
+        for head in 0..3 {
+            let want: f64 = rounded[head * d..][..d].iter().zip(&wide).map(|(&a, &b)| a as f64 * b as f64).sum();
+            let got = queries.heads(0, 3).score(head, as_blocks(&bytes)) as f64;
+            assert!((got - want).abs() <= 1e-5 * want.abs().max(1e-30), "head {head}: {got} against {want}");
+        }
+        // a non-finite query gives a non-finite score
+        for bad in [f32::INFINITY, f32::NAN] {
+            let mut q = q.clone();
+            q[d + 7] = bad;
+            let queries = Queries::new(&q, d);
+            assert!(queries.scales[2].is_nan() && !queries.heads(0, 3).score(1, as_blocks(&bytes)).is_finite(), "{bad}");
+        }
+    }
 
     #[test]
     fn rounding_is_within_half_a_step_and_widening_is_exact_on_every_path() {
