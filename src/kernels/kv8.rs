@@ -12,6 +12,7 @@
 use half::f16;
 
 use crate::kernels::attention::Stored;
+use crate::kernels::qmatvec::nearest;
 
 /// Values per block.
 pub const QK: usize = 32;
@@ -213,11 +214,9 @@ impl Queries {
             if finite && amax > 0.0 {
                 let inv = Q16_MAX / amax;
                 for (v, &a) in v.iter_mut().zip(x) {
-                    // to the nearest integer (ties to even) by adding and taking away
-                    // 1.5 · 2^52, exact for magnitudes below 2^51: no call to a library
-                    // `round` (one per value was 2 % of a decode task)
-                    const SNAP: f64 = 6_755_399_441_055_744.0;
-                    *v = ((a as f64 * inv + SNAP) - SNAP).clamp(-Q16_MAX, Q16_MAX) as i16;
+                    // without a call to a library `round` (one per value was 2 % of a
+                    // decode task)
+                    *v = nearest((a as f64 * inv) as f32).clamp(-(Q16_MAX as i32), Q16_MAX as i32) as i16;
                 }
             }
             // a non-finite block: a NaN step (its values stay zero)

@@ -394,10 +394,11 @@ fn quantize_q8(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
     (q, d)
 }
 
-/// Round to nearest, ties to even, for |v| <= 2^22 (activations scaled to [-127, 127]),
-/// without a call to libm's `roundf` (baseline x86-64 has no rounding instruction).
+/// Round to nearest, ties to even, for |v| <= 2^22 (activations scaled to [-127, 127],
+/// the 8-bit cache's queries to [-32767, 32767]), without a call to libm's `roundf`
+/// (baseline x86-64 has no rounding instruction).
 #[inline(always)]
-fn nearest(v: f32) -> i32 {
+pub(crate) fn nearest(v: f32) -> i32 {
     let shifted = v + 12_582_912.0; // 1.5 * 2^23: the fraction bits now hold the integer
     (shifted.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
