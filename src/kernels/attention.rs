@@ -475,7 +475,6 @@ unsafe fn q8_keys16(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 macro_rules! score_q8_16 {
     ($name:ident, $features:literal, $dot:ident) => {
-        #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::needless_range_loop)] // register arrays indexed by head
         unsafe fn $name<const G: usize>(q: &kv8::QueryHeads<'_>, r0: usize, block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
@@ -525,7 +524,9 @@ macro_rules! dot_bw {
         _mm512_add_epi32($acc, _mm512_madd_epi16($k, $q))
     };
 }
+#[cfg(target_arch = "x86_64")]
 score_q8_16!(score_q8_16_vnni, "avx512f,avx512bw,avx512vnni", dot_vnni);
+#[cfg(target_arch = "x86_64")]
 score_q8_16!(score_q8_16_bw, "avx512f,avx512bw", dot_bw);
 
 /// [`rows_task`] with AVX-512 (F and BW).
