@@ -16,8 +16,8 @@ use pyo3::pyclass::boolean_struct::False;
 use pyo3::PyClass;
 use pyo3::types::{PyDict, PyInt, PyList, PyType};
 
-use crate::cache::KvCache;
-use crate::cache_file;
+use crate::model::cache::KvCache;
+use crate::model::cache_file;
 use crate::device::{compiled_devices, dtype_name, parse_cache_dtype, parse_device, parse_dtype};
 use crate::error::{no_panic, one_line, Error};
 use crate::loader::{self, Weights};
@@ -657,7 +657,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prefetch_level, m)?)?;
     m.add("SIMD_ENV", crate::kernels::matvec::SIMD_ENV)?;
     m.add("PREFETCH_ENV", crate::kernels::matvec::PREFETCH_ENV)?;
-    m.add("BLOCK_LEN", crate::cache::BLOCK_LEN)?;
+    m.add("BLOCK_LEN", crate::model::cache::BLOCK_LEN)?;
     m.add("SMALL_CHUNK", crate::model::SMALL_CHUNK)?;
     m.add("PREFILL_CHUNK", crate::model::PREFILL_CHUNK)?;
     m.add("PREFILL_ROWS", crate::model::PREFILL_ROWS)?;

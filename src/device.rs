@@ -66,10 +66,10 @@ pub fn parse_dtype(name: &str, device: &Device) -> Result<DType> {
 }
 
 /// A cache's dtype by name: the names [`parse_dtype`] takes, and "q8_0", the 8-bit
-/// cache ([`crate::cache::Q8_0`]).
+/// cache ([`crate::model::cache::Q8_0`]).
 pub fn parse_cache_dtype(name: &str, device: &Device) -> Result<DType> {
     match name {
-        "q8_0" => Ok(crate::cache::Q8_0),
+        "q8_0" => Ok(crate::model::cache::Q8_0),
         _ => parse_dtype(name, device).map_err(|e| match e {
             Error::DType(m) if m.starts_with("unknown dtype") => {
                 Error::DType(format!("unknown cache dtype {name:?}: expected \"float32\", \"float16\", \"bfloat16\" or \"q8_0\""))
@@ -85,7 +85,7 @@ pub fn dtype_name(dtype: DType) -> &'static str {
         DType::F16 => "float16",
         DType::BF16 => "bfloat16",
         DType::F64 => "float64",
-        crate::cache::Q8_0 => "q8_0",
+        crate::model::cache::Q8_0 => "q8_0",
         _ => "other",
     }
 }

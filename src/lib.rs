@@ -1,8 +1,6 @@
 //! kvcandle: a Llama-family model on candle with a KV cache the caller can see and
 //! control. The engine modules are plain Rust; the Python bindings live in `bindings`.
 
-pub mod cache;
-pub mod cache_file;
 pub mod config;
 pub mod device;
 pub mod error;
@@ -18,7 +16,7 @@ pub mod upstream;
 #[cfg(feature = "python")]
 mod bindings;
 
-pub use cache::KvCache;
+pub use model::cache::KvCache;
 pub use config::ModelConfig;
 pub use error::{Error, Result};
 pub use model::Llama;
