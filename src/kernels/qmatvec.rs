@@ -1035,13 +1035,18 @@ impl Q4Rows {
 /// four registers (lane `r`: row `r`'s bytes `4t..4t + 4`; loaded and transposed as 4 x 4
 /// dwords within each 128-bit lane, or gathered for a last group of fewer than sixteen
 /// rows: the loads made a quantized decode step 2-4 % faster than four gathers, measured
-/// with the two builds in turns; the scales stay one gather), whose low and high
-/// nibbles are the block's values `4t..4t + 4` and `16 + 4t..`; each input's block is then
-/// eight byte dot products against its activations' matching four bytes (broadcast),
-/// which sum the block in every lane exactly, as integers, with no horizontal step. One
-/// conversion and one multiply-add with the rows' scales times the activations' scale,
-/// one more for the minimums, per block and input for sixteen rows. A row's arithmetic
-/// is its own lane's, whatever rows share the register and however many inputs run.
+/// with the two builds in turns), whose low and high nibbles are the block's values
+/// `4t..4t + 4` and `16 + 4t..`; the rows' scales (and minimums) are loaded and
+/// transposed the same way (a gather of sixteen before: 13 % of the kernel on Zen 5).
+/// Each input's block is then eight byte dot products against its activations' matching
+/// four bytes (broadcast), which sum the block in every lane exactly, as integers, with
+/// no horizontal step; then, per block and input for sixteen rows, one conversion and
+/// the two multiply-adds of [`rows_q4_avx2`] in its order (the rows' scales times the
+/// activations' scale, then the minimums' term), so that both levels give the same bits.
+/// A row's arithmetic is its own lane's, whatever rows share the register and however
+/// many inputs run. `examples/qproducts_probe.rs`, one thread, AMD EPYC Zen 5, ns per
+/// block of 16 x 32 (two runs each, builds in turns): 8 inputs 22.0-22.5 -> 20.2-20.3
+/// from memory and 21.1 -> 19.1 hot; 1 input hot 8.4-8.5 -> 6.8-6.9.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by input
@@ -1055,7 +1060,7 @@ unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize,
     for g in (0..rows).step_by(16) {
         let mask: __mmask16 = if rows - g >= 16 { 0xFFFF } else { (1u16 << (rows - g)) - 1 };
         let base = qs.as_ptr().add((first + g) * row_bytes);
-        let (mut acc, mut offset) = ([_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M]);
+        let mut acc = [_mm512_setzero_ps(); M];
         // the sixteen rows are one stretch of memory: the next group's, a block's share
         // of it at each block
         let (next, share) = (base.wrapping_add(16 * row_bytes), 16 * bytes);
@@ -1070,49 +1075,66 @@ unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize,
                     _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, offsets, p.add($at) as *const _)
                 };
             }
-            let heads = gather!(0);
-            let packed = if mask == 0xFFFF {
-                // a full group: each row's 16 bytes loaded (rows k, k + 4, k + 8, k + 12 in
-                // the four 128-bit lanes of z[k]) and transposed as 4 x 4 dwords within each
-                // lane, which gives lane r row r's bytes 4t..4t + 4, as the gathers do
+            let (heads, packed) = if mask == 0xFFFF {
+                // a full group: each row's 16 bytes at `at` loaded (rows k, k + 4, k + 8,
+                // k + 12 in the four 128-bit lanes of the k-th register) and transposed as
+                // 4 x 4 dwords within each lane, which gives lane r row r's bytes
+                // at + 4t..at + 4t + 4 in the t-th register, as gathers would
                 macro_rules! lanes {
-                    ($k:expr) => {{
-                        let row = |r: usize| p.add(r * row_bytes + values_at) as *const __m128i;
+                    ($at:expr, $k:expr) => {{
+                        let row = |r: usize| p.add(r * row_bytes + $at) as *const __m128i;
                         let v = _mm512_castsi128_si512(_mm_loadu_si128(row($k)));
                         let v = _mm512_inserti32x4::<1>(v, _mm_loadu_si128(row($k + 4)));
                         let v = _mm512_inserti32x4::<2>(v, _mm_loadu_si128(row($k + 8)));
                         _mm512_inserti32x4::<3>(v, _mm_loadu_si128(row($k + 12)))
                     }};
                 }
-                let (z0, z1, z2, z3) = (lanes!(0), lanes!(1), lanes!(2), lanes!(3));
+                let (z0, z1, z2, z3) = (lanes!(values_at, 0), lanes!(values_at, 1), lanes!(values_at, 2), lanes!(values_at, 3));
                 let (t0, t1) = (_mm512_unpacklo_epi32(z0, z1), _mm512_unpackhi_epi32(z0, z1));
                 let (t2, t3) = (_mm512_unpacklo_epi32(z2, z3), _mm512_unpackhi_epi32(z2, z3));
-                [_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)]
+                // the scales' dwords (the first of each row's block) the same way, from the
+                // same cache lines: a gather of sixteen was 13 % of this kernel (Zen 5)
+                let (h0, h1, h2, h3) = (lanes!(0, 0), lanes!(0, 1), lanes!(0, 2), lanes!(0, 3));
+                let heads = _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(h0, h1), _mm512_unpacklo_epi32(h2, h3));
+                (heads, [_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)])
             } else {
-                [gather!(values_at), gather!(values_at + 4), gather!(values_at + 8), gather!(values_at + 12)]
+                (gather!(0), [gather!(values_at), gather!(values_at + 4), gather!(values_at + 8), gather!(values_at + 12)])
             };
             let q: [__m512i; 8] = std::array::from_fn(|t| if t < 4 { _mm512_and_si512(packed[t], low4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(packed[t - 4]), low4) });
             let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(heads));
-            let min = match f {
-                Format::Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(8.0)),
-                _ => _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(heads)))),
+            // what each row adds per unit of the activations' block sum: its minimum
+            // (Q4_1), or minus 8 times its scale (Q4_0's offset of 8), as in rows_q4_avx2
+            let add = match f {
+                Format::Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
+                _ => _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(heads))),
             };
             for m in 0..M {
                 let x = acts.xq[m].as_ptr().add(b * SUB) as *const i32;
                 let xs = |t: usize| _mm512_set1_epi32(std::ptr::read_unaligned(x.add(t)));
-                // two chains of four (integer sums: exact in any order)
-                let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                for t in (0..8).step_by(2) {
-                    even = _mm512_dpbusd_epi32(even, q[t], xs(t));
-                    odd = _mm512_dpbusd_epi32(odd, q[t + 1], xs(t + 1));
-                }
-                let sums = _mm512_add_epi32(even, odd);
+                // integer sums, exact in any order: two chains of four for one or two
+                // inputs (the dot products' latency), one chain of eight for more (fewer
+                // registers; the inputs' chains overlap)
+                let sums = if M < 4 {
+                    let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                    for t in (0..8).step_by(2) {
+                        even = _mm512_dpbusd_epi32(even, q[t], xs(t));
+                        odd = _mm512_dpbusd_epi32(odd, q[t + 1], xs(t + 1));
+                    }
+                    _mm512_add_epi32(even, odd)
+                } else {
+                    let mut sums = _mm512_setzero_si512();
+                    for t in 0..8 {
+                        sums = _mm512_dpbusd_epi32(sums, q[t], xs(t));
+                    }
+                    sums
+                };
+                // the arithmetic of rows_q4_avx2 lane for lane: the two levels agree bit for bit
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(*acts.xd[m].get_unchecked(b))), acc[m]);
-                offset[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(*acts.block_sums[m].get_unchecked(b)), offset[m]);
+                acc[m] = _mm512_fmadd_ps(add, _mm512_set1_ps(*acts.block_sums[m].get_unchecked(b)), acc[m]);
             }
         }
         for m in 0..M {
-            _mm512_mask_storeu_ps(outs[m].as_mut_ptr().add(g), mask, _mm512_sub_ps(acc[m], offset[m]));
+            _mm512_mask_storeu_ps(outs[m].as_mut_ptr().add(g), mask, acc[m]);
         }
     }
 }
@@ -1381,10 +1403,11 @@ mod tests {
                 }
                 by_level.push(alone);
             }
+            // every kept block type gives the same bits at both levels: the VNNI build of
+            // the AVX2 kernels, and the Q4 rows-in-lanes kernels (16 rows a register
+            // against 8) with the same arithmetic per lane
             if let (QKind::Blocks(f), [avx2, vnni]) = (m.kind, &by_level[..]) {
-                if !matches!(f, Format::Q4_0 | Format::Q4_1) {
-                    assert_eq!(avx2, vnni, "{f:?}: the VNNI build against the AVX2 build");
-                }
+                assert_eq!(avx2, vnni, "{f:?}: the AVX-512 kernels against the AVX2 ones");
             }
         }
     }
