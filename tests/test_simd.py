@@ -103,11 +103,12 @@ def test_prefetch_levels_give_the_same_bits():
 
 
 def test_the_default_prefetch_level_follows_the_cpu():
-    """The second level on AMD x86-64 CPUs with AVX-512, the second for batches only on AMD
-    CPUs without, the first on any other (Intel, ARM)."""
+    """The second level on AMD x86-64 CPUs of family 19h with AVX-512 (Zen 4), the second
+    for batches only on other AMD CPUs (Zen 3, Zen 5), the first on any other (Intel, ARM)."""
     got = run("import kvcandle; print(kvcandle.prefetch_level())", None, kvcandle.PREFETCH_ENV)
     assert got.returncode == 0, got.stderr
     amd = avx512 = False
+    family = None
     if platform.machine().lower() in ("x86_64", "amd64"):
         if not os.path.exists("/proc/cpuinfo"):
             pytest.skip("the CPU vendor is read from /proc/cpuinfo (Linux) here")
@@ -115,7 +116,9 @@ def test_the_default_prefetch_level_follows_the_cpu():
             lines = f.read().splitlines()
         amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in lines)
         avx512 = any(line.startswith("flags") and "avx512f" in line.split() for line in lines)
-    assert got.stdout.strip() == (("l2" if avx512 else "l2-batch") if amd else "l1")
+        family = next(int(line.split(":")[1]) for line in lines if line.startswith("cpu family"))
+    zen4 = amd and avx512 and family == 0x19
+    assert got.stdout.strip() == ("l2" if zen4 else "l2-batch" if amd else "l1")
 
 
 @pytest.mark.parametrize("value", ["l3", "t0", "fast", "l2batch"])
