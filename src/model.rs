@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Embedding;
 
-use crate::model::cache::{CacheLayout, KvCache};
+use cache::{CacheLayout, KvCache};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::linear::Linear;
@@ -237,7 +237,7 @@ impl Llama {
 
     /// The dtype a new cache stores keys and values in unless asked otherwise: for a model
     /// whose linear layers multiply GGUF blocks with int8 activations, the 8-bit cache
-    /// ([`crate::model::cache::Q8_0`]; float16 where a head is not whole blocks of 32): against
+    /// ([`cache::Q8_0`]; float16 where a head is not whole blocks of 32): against
     /// the float32 model on the same weights its greedy token then differs at 3.0 % of 600
     /// decode positions, as with a float32 cache, for 0.27 of its bytes per step
     /// (`bench_cache_dtype.py`). Else the model's own dtype (a float32 model, and one of
@@ -245,7 +245,7 @@ impl Llama {
     pub fn default_cache_dtype(&self) -> DType {
         if self.decode && self.layers.iter().any(|l| l.attn.qkv.int8_activations() || l.mlp.gate_up.int8_activations()) {
             if self.takes_eight_bit_cache() {
-                crate::model::cache::Q8_0
+                cache::Q8_0
             } else {
                 DType::F16
             }
@@ -261,11 +261,11 @@ impl Llama {
 
     /// An empty cache storing keys and values as `dtype`: the model's own, or for a
     /// float32 model in CPU memory float16 (half the bytes read per decode step) or the
-    /// 8-bit blocks of [`crate::model::cache::Q8_0`] (0.27 of them; head sizes that are whole
+    /// 8-bit blocks of [`cache::Q8_0`] (0.27 of them; head sizes that are whole
     /// blocks of 32). Attention still computes in float32, from the stored keys and values.
     pub fn new_cache_with(&self, dtype: DType) -> Result<KvCache> {
         let eight_bit = self.takes_eight_bit_cache();
-        if dtype == self.dtype || (self.decode && (dtype == DType::F16 || (dtype == crate::model::cache::Q8_0 && eight_bit))) {
+        if dtype == self.dtype || (self.decode && (dtype == DType::F16 || (dtype == cache::Q8_0 && eight_bit))) {
             return Ok(self.cache_of(dtype));
         }
         let also = match (self.decode, eight_bit) {

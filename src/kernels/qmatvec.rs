@@ -1093,7 +1093,7 @@ unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize,
                 let (t0, t1) = (_mm512_unpacklo_epi32(z0, z1), _mm512_unpackhi_epi32(z0, z1));
                 let (t2, t3) = (_mm512_unpacklo_epi32(z2, z3), _mm512_unpackhi_epi32(z2, z3));
                 // the scales' dwords (the first of each row's block) the same way, from the
-                // same cache lines: a gather of sixteen was 13 % of this kernel (Zen 5)
+                // same cache lines
                 let (h0, h1, h2, h3) = (lanes!(0, 0), lanes!(0, 1), lanes!(0, 2), lanes!(0, 3));
                 let heads = _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(h0, h1), _mm512_unpacklo_epi32(h2, h3));
                 (heads, [_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)])

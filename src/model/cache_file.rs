@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use candle_core::Tensor;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
-use crate::model::cache::KvCache;
+use super::cache::KvCache;
 use crate::error::{Error, Result};
 use crate::model::Llama;
 
@@ -97,7 +97,7 @@ fn st_dtype(d: candle_core::DType) -> Dtype {
 
 /// The cache file's names of the storage dtypes (metadata `dtype`).
 const FILE_DTYPES: [(candle_core::DType, &str); 4] =
-    [(candle_core::DType::F32, "f32"), (candle_core::DType::F16, "f16"), (candle_core::DType::BF16, "bf16"), (crate::model::cache::Q8_0, "q8_0")];
+    [(candle_core::DType::F32, "f32"), (candle_core::DType::F16, "f16"), (candle_core::DType::BF16, "bf16"), (super::cache::Q8_0, "q8_0")];
 
 fn file_dtype(d: candle_core::DType) -> &'static str {
     FILE_DTYPES.iter().find(|(t, _)| *t == d).map_or("unknown", |(_, name)| name)

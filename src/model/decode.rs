@@ -15,7 +15,7 @@
 //! cache after that.
 
 use super::*;
-use crate::model::cache::attend_rows;
+use super::cache::attend_rows;
 use crate::linear::{Input, View};
 use crate::kernels::activation::silu_mul;
 use crate::kernels::team::{Shards, Team};
