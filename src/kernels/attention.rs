@@ -362,7 +362,8 @@ trait Lanes {
 /// The AVX-512 task: blocks of 16 positions; head sizes that are a multiple of 64.
 /// Scores: for each query head, the 16 keys' products with it stay in 16 registers, and
 /// one transposing reduction (45 instructions) turns them into one register of 16
-/// scores, where a horizontal sum per score would take about 8 each. Values: groups of
+/// scores, where a horizontal sum per score would take about 8 each; up to 3 query
+/// heads share each load of a key ([`score16_heads`]). Values: groups of
 /// up to 4 query heads keep 4 × 64 dimensions of accumulators in registers over a block.
 ///
 /// `VNNI`: 8-bit keys' int16 pairs multiplied and added in one instruction (AVX512-VNNI's
@@ -415,24 +416,58 @@ impl<const VNNI: bool> Lanes for Avx512<VNNI> {
     }
 }
 
-/// [`Avx512`]'s scores of one block.
+/// [`Avx512`]'s scores of one block: query heads in groups of up to 3, each group's
+/// keys loaded once for all of its heads ([`score16_heads`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::needless_range_loop)] // register arrays indexed by block row
 unsafe fn score16(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
+    let heads = q.len() / d;
+    for r0 in (0..heads).step_by(3) {
+        let (qr, o) = (q.as_ptr().add(r0 * d), out.add(r0 * stride));
+        match heads - r0 {
+            1 => score16_heads::<1>(qr, k, d, m, o, stride),
+            2 => score16_heads::<2>(qr, k, d, m, o, stride),
+            _ => score16_heads::<3>(qr, k, d, m, o, stride),
+        }
+    }
+}
+
+/// The scores of `G` query heads (`q`: G rows of d) against a block of 16 keys, the
+/// block in two halves of 8 positions: for each 16 dimensions, the G heads' query
+/// registers stay while each key's is loaded once for all of them (8 × G accumulators),
+/// where one head at a time loads every key once per head (`examples/attention_probe.rs`,
+/// Zen 5, one thread, 2,048 positions, in turns: one row 73-76 -> 68 us a layer, eight
+/// rows over one prompt's blocks 392-395 -> 333-341 us). Each key's products with a
+/// head are one register of 16 lanes, summed over the dimensions in order and then
+/// across lanes by one fixed tree ([`reduce8_half`] on each half, [`pair_lanes`] on the
+/// two): each score is the same bits whatever the grouping of heads.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by head and block row
+unsafe fn score16_heads<const G: usize>(q: *const f32, k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
     use std::arch::x86_64::*;
+    const HALF: usize = LANES / 2;
     let scale = _mm512_set1_ps(1.0 / (d as f32).sqrt());
-    for r in 0..q.len() / d {
-        let qr = q.as_ptr().add(r * d);
-        let mut acc = [_mm512_setzero_ps(); LANES];
+    let mut halves = [[_mm512_setzero_ps(); 2]; G];
+    for half in 0..2 {
+        let k = k.add(half * HALF * d);
+        let mut acc = [[_mm512_setzero_ps(); HALF]; G];
         for c in (0..d).step_by(16) {
-            let qc = _mm512_loadu_ps(qr.add(c));
-            for j in 0..LANES {
-                acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(k.add(j * d + c)), qc, acc[j]);
+            let qc: [__m512; G] = std::array::from_fn(|g| _mm512_loadu_ps(q.add(g * d + c)));
+            for j in 0..HALF {
+                let kj = _mm512_loadu_ps(k.add(j * d + c));
+                for g in 0..G {
+                    acc[g][j] = _mm512_fmadd_ps(kj, qc[g], acc[g][j]);
+                }
             }
         }
-        let s = _mm512_mul_ps(reduce16(&acc), scale);
-        let o = out.add(r * stride);
+        for g in 0..G {
+            halves[g][half] = reduce8_half(&acc[g]);
+        }
+    }
+    for g in 0..G {
+        let s = _mm512_mul_ps(pair_lanes(halves[g][0], halves[g][1]), scale);
+        let o = out.add(g * stride);
         if m == LANES {
             _mm512_storeu_ps(o, s);
         } else {
@@ -752,26 +787,35 @@ unsafe fn accumulate<const G: usize>(sums: &mut [f32], scores: &[f32], n: usize,
     }
 }
 
-/// The sums of each of 16 registers' lanes, as one register (lane j: the sum of `x[j]`):
-/// pairs are interleaved and added, halving the registers at each of four steps.
+/// The first three steps of a transposing reduction of 16 registers, on 8 of them: pairs
+/// are interleaved and added, halving the registers at each step, which leaves each
+/// register's sum in two pieces (its 128-bit lanes 0 + 1 and 2 + 3); [`pair_lanes`] of
+/// the two halves' results is one register whose lane j is the sum of register j.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn reduce16(x: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__m512 {
+unsafe fn reduce8_half(x: &[std::arch::x86_64::__m512; 8]) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
-    // 16 -> 8: within each 128-bit lane, [a, b, a, b] partial sums of x[2i], x[2i + 1]
-    let t: [__m512; 8] = std::array::from_fn(|i| {
+    // 8 -> 4: within each 128-bit lane, [a, b, a, b] partial sums of x[2i], x[2i + 1]
+    let t: [__m512; 4] = std::array::from_fn(|i| {
         let (a, b) = (x[2 * i], x[2 * i + 1]);
         _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
     });
-    // 8 -> 4: within each 128-bit lane, [a, b, c, d] partial sums of x[4i..4i + 4]
-    let u: [__m512; 4] = std::array::from_fn(|i| {
+    // 4 -> 2: within each 128-bit lane, [a, b, c, d] partial sums of x[4i..4i + 4]
+    let u: [__m512; 2] = std::array::from_fn(|i| {
         let (a, b) = (_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
         _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)))
     });
-    // 4 -> 2 -> 1: add 128-bit lanes (0 + 1, 2 + 3) of two registers side by side
-    let pair = |a: __m512, b: __m512| _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b));
-    pair(pair(u[0], u[1]), pair(u[2], u[3]))
+    pair_lanes(u[0], u[1])
+}
+
+/// Adds 128-bit lanes 0 + 1 and 2 + 3 of two registers side by side: [a01, a23, b01, b23].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn pair_lanes(a: std::arch::x86_64::__m512, b: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b))
 }
 
 /// Positions per block of the AVX2 task: one register's worth of scores.

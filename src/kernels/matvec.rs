@@ -471,28 +471,21 @@ mod x86 {
         let xp: [*const f32; M] = std::array::from_fn(|m| xs[m].as_ptr());
         let p: [*const f32; R] = std::array::from_fn(|j| w.as_ptr().add((r + j) * cols));
         let mut acc = [[_mm512_setzero_ps(); M]; R];
-        let mut c = 0;
         let level = super::prefetch();
-        let (l2, mut step) = (level != super::Prefetch::L1, 0);
+        let l2 = level != super::Prefetch::L1;
         let stream = plan.stream && (M > 1 || level.one_input(true));
-        while c < body {
-            // one input keeps up with the memory without prefetches into the first level
-            // (the hardware prefetcher follows its eight rows), not without them into the
-            // second on AMD (a single thread's pace there: 14.7-16.3 -> 16.4-18.9 GB/s)
-            if stream {
-                for pj in p {
-                    ahead(pj.wrapping_add(c + PREFETCH_FLOATS), l2);
-                }
-            }
-            next_tile(&p, c, plan, &mut step, l2);
-            let wv: [__m512; R] = std::array::from_fn(|j| _mm512_loadu_ps(p[j].add(c)));
-            for m in 0..M {
-                let x = _mm512_loadu_ps(xp[m].add(c));
-                for j in 0..R {
-                    acc[j][m] = _mm512_fmadd_ps(wv[j], x, acc[j][m]);
-                }
-            }
-            c += 16;
+        // the loop compiled once per way of prefetching, none of them tested per step (the
+        // tests and their flags' reloads were a third of the loop's instructions: eight
+        // inputs over a matrix in the second-level cache, Zen 5, one thread, 80-81 -> 97
+        // G multiply-adds/s; the same with the AVX2 kernel forced, 51-52)
+        match (stream, l2, plan.next.is_some()) {
+            (false, _, false) => columns512::<R, M, false, false, false>(&p, &xp, body, plan, &mut acc),
+            (false, false, true) => columns512::<R, M, false, false, true>(&p, &xp, body, plan, &mut acc),
+            (false, true, true) => columns512::<R, M, false, true, true>(&p, &xp, body, plan, &mut acc),
+            (true, false, false) => columns512::<R, M, true, false, false>(&p, &xp, body, plan, &mut acc),
+            (true, true, false) => columns512::<R, M, true, true, false>(&p, &xp, body, plan, &mut acc),
+            (true, false, true) => columns512::<R, M, true, false, true>(&p, &xp, body, plan, &mut acc),
+            (true, true, true) => columns512::<R, M, true, true, true>(&p, &xp, body, plan, &mut acc),
         }
         for j in 0..R {
             for m in 0..M {
@@ -502,6 +495,44 @@ mod x86 {
                 }
                 outs[m][r + j] = s;
             }
+        }
+    }
+
+    /// [`tile512`]'s steps of 16 columns (the first `body`), each (row, input) pair's
+    /// multiply-adds into its accumulator in column order: with `STREAM` the rows asked
+    /// for [`PREFETCH_FLOATS`] ahead (to the second level with `L2`), with `NEXT` the
+    /// plan's share of the next tile.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::needless_range_loop)] // register arrays indexed by row and input
+    unsafe fn columns512<const R: usize, const M: usize, const STREAM: bool, const L2: bool, const NEXT: bool>(
+        p: &[*const f32; R],
+        xp: &[*const f32; M],
+        body: usize,
+        plan: Ahead,
+        acc: &mut [[__m512; M]; R],
+    ) {
+        let (mut c, mut step) = (0, 0);
+        while c < body {
+            // one input keeps up with the memory without prefetches into the first level
+            // (the hardware prefetcher follows its eight rows), not without them into the
+            // second on AMD (a single thread's pace there: 14.7-16.3 -> 16.4-18.9 GB/s)
+            if STREAM {
+                for pj in p {
+                    ahead(pj.wrapping_add(c + PREFETCH_FLOATS), L2);
+                }
+            }
+            if NEXT {
+                next_tile(p, c, plan, &mut step, L2);
+            }
+            let wv: [__m512; R] = std::array::from_fn(|j| _mm512_loadu_ps(p[j].add(c)));
+            for m in 0..M {
+                let x = _mm512_loadu_ps(xp[m].add(c));
+                for j in 0..R {
+                    acc[j][m] = _mm512_fmadd_ps(wv[j], x, acc[j][m]);
+                }
+            }
+            c += 16;
         }
     }
 
@@ -550,7 +581,6 @@ mod x86 {
         let xp: [*const f32; M] = std::array::from_fn(|m| xs[m].as_ptr());
         let p: [*const f32; R] = std::array::from_fn(|j| w.as_ptr().add((r + j) * cols));
         let mut acc = [[_mm256_setzero_ps(); M]; R];
-        let mut c = 0;
         // a cache line (16 floats) of each row per pass, asked for PREFETCH_FLOATS ahead:
         // eight rows are eight streams, more than the hardware prefetcher follows well
         // (measured: default model, Xeon with the AVX2 kernels forced, float32 decode 47.0-47.7 ->
@@ -558,26 +588,19 @@ mod x86 {
         // CPUs; on others (Zen 3) the hardware prefetcher follows one input's rows better
         // alone ([`super::Prefetch::L2Batch`])
         let level = super::prefetch();
-        let (l2, mut step) = (level != super::Prefetch::L1, 0);
+        let l2 = level != super::Prefetch::L1;
         let stream = plan.stream && (M > 1 || level.one_input(false));
-        while c + 16 <= body {
-            if stream {
-                for pj in p {
-                    ahead(pj.wrapping_add(c + PREFETCH_FLOATS), l2);
-                }
-            }
-            next_tile(&p, c, plan, &mut step, l2);
-            for half in [c, c + 8] {
-                let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(p[j].add(half)));
-                for m in 0..M {
-                    let x = _mm256_loadu_ps(xp[m].add(half));
-                    for j in 0..R {
-                        acc[j][m] = _mm256_fmadd_ps(wv[j], x, acc[j][m]);
-                    }
-                }
-            }
-            c += 16;
+        let lines = body / 16 * 16;
+        match (stream, l2, plan.next.is_some()) {
+            (false, _, false) => columns256::<R, M, false, false, false>(&p, &xp, lines, plan, &mut acc),
+            (false, false, true) => columns256::<R, M, false, false, true>(&p, &xp, lines, plan, &mut acc),
+            (false, true, true) => columns256::<R, M, false, true, true>(&p, &xp, lines, plan, &mut acc),
+            (true, false, false) => columns256::<R, M, true, false, false>(&p, &xp, lines, plan, &mut acc),
+            (true, true, false) => columns256::<R, M, true, true, false>(&p, &xp, lines, plan, &mut acc),
+            (true, false, true) => columns256::<R, M, true, false, true>(&p, &xp, lines, plan, &mut acc),
+            (true, true, true) => columns256::<R, M, true, true, true>(&p, &xp, lines, plan, &mut acc),
         }
+        let mut c = lines;
         while c < body {
             let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(p[j].add(c)));
             for m in 0..M {
@@ -596,6 +619,41 @@ mod x86 {
                 }
                 outs[m][r + j] = s;
             }
+        }
+    }
+
+    /// [`columns512`] with AVX2 registers: steps of a cache line (two of 8 columns) up to
+    /// `lines`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    #[allow(clippy::needless_range_loop)] // register arrays indexed by row and input
+    unsafe fn columns256<const R: usize, const M: usize, const STREAM: bool, const L2: bool, const NEXT: bool>(
+        p: &[*const f32; R],
+        xp: &[*const f32; M],
+        lines: usize,
+        plan: Ahead,
+        acc: &mut [[__m256; M]; R],
+    ) {
+        let (mut c, mut step) = (0, 0);
+        while c < lines {
+            if STREAM {
+                for pj in p {
+                    ahead(pj.wrapping_add(c + PREFETCH_FLOATS), L2);
+                }
+            }
+            if NEXT {
+                next_tile(p, c, plan, &mut step, L2);
+            }
+            for half in [c, c + 8] {
+                let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(p[j].add(half)));
+                for m in 0..M {
+                    let x = _mm256_loadu_ps(xp[m].add(half));
+                    for j in 0..R {
+                        acc[j][m] = _mm256_fmadd_ps(wv[j], x, acc[j][m]);
+                    }
+                }
+            }
+            c += 16;
         }
     }
 
