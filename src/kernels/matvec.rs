@@ -62,8 +62,8 @@ impl Prefetch {
 
     /// By measurement (`examples/products_probe.rs`, weights read from memory; the
     /// model's decode steps): the second level on AMD CPUs of family 19h with AVX-512
-    /// (Zen 4), the second level for batches only on other AMD CPUs (Zen 3, Zen 5 and
-    /// later), the first elsewhere.
+    /// (Zen 4), the first on family 1Ah and later (Zen 5), the second level for batches
+    /// only on other AMD CPUs (Zen 3 and before), the first elsewhere.
     ///
     /// On an AMD EPYC Zen 4, to the second level (2 threads): AVX-512, eight inputs
     /// 17.5-18.1 -> 23.7-24.1 GB/s, one input (which prefetches nothing into the first
@@ -77,6 +77,12 @@ impl Prefetch {
     /// float32 decode of one sequence, `l2` against `l2-batch` in turns, one thread
     /// 67.1-67.9 -> 73.8-75.7 tok/s, two threads 111.8-112.7 -> 121.2-127.3 (eight
     /// sequences the same within noise: 390-394 and 595-619 against 391-394 and 605-608).
+    /// Once the batched kernels' loops no longer tested the level at each step, `l1` on
+    /// the Zen 5 beat `l2-batch` for several inputs (one sequence is the same: neither
+    /// prefetches for it at the AVX-512 level): one thread, in turns, three rounds, a
+    /// chunk of 8 tokens 19.8-20.1 -> 18.6-19.4 ms, eight sequences' step 19.5-19.7 ->
+    /// 18.2-18.6 ms; two threads the same within noise, and with the AVX2 kernels forced
+    /// the same within noise.
     /// On the Intel Xeon, prefetching to the second level was slower or the same.
     pub fn default_for_cpu() -> Prefetch {
         #[cfg(target_arch = "x86_64")]
@@ -85,12 +91,22 @@ impl Prefetch {
             #[allow(unused_unsafe)]
             let (id, signature) = unsafe { (std::arch::x86_64::__cpuid(0), std::arch::x86_64::__cpuid(1).eax) };
             let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
-            if vendor == b"AuthenticAMD" {
-                let zen4 = cpu_family(signature) == 0x19 && std::arch::is_x86_feature_detected!("avx512f");
-                return if zen4 { Prefetch::L2 } else { Prefetch::L2Batch };
-            }
+            Self::default_for(vendor == b"AuthenticAMD", cpu_family(signature), std::arch::is_x86_feature_detected!("avx512f"))
         }
+        #[cfg(not(target_arch = "x86_64"))]
         Prefetch::L1
+    }
+
+    /// [`Prefetch::default_for_cpu`]'s rule, for an AMD CPU or not, of a CPU family, with
+    /// AVX-512F or not.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn default_for(amd: bool, family: u32, avx512: bool) -> Prefetch {
+        match (amd, family) {
+            (false, _) => Prefetch::L1,
+            (true, 0x19) if avx512 => Prefetch::L2,
+            (true, f) if f >= 0x1A => Prefetch::L1,
+            (true, _) => Prefetch::L2Batch,
+        }
     }
 }
 
@@ -676,6 +692,21 @@ mod tests {
         // Intel Xeon (6: no extended family)
         for (signature, family) in [(0x00A0_0F11, 0x19), (0x00A1_0F11, 0x19), (0x00B0_0F21, 0x1A), (0x0008_06F8, 6)] {
             assert_eq!(cpu_family(signature), family, "{signature:#010x}");
+        }
+    }
+
+    #[test]
+    fn the_default_prefetch_level_by_cpu() {
+        // (AMD, family, AVX-512F): Zen 3, Zen 4, Zen 5, an Intel Xeon, a future AMD family
+        for (cpu, level) in [
+            ((true, 0x19, false), Prefetch::L2Batch),
+            ((true, 0x19, true), Prefetch::L2),
+            ((true, 0x1A, true), Prefetch::L1),
+            ((false, 6, true), Prefetch::L1),
+            ((true, 0x17, false), Prefetch::L2Batch),
+            ((true, 0x1B, false), Prefetch::L1),
+        ] {
+            assert_eq!(Prefetch::default_for(cpu.0, cpu.1, cpu.2), level, "{cpu:?}");
         }
     }
 
