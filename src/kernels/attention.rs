@@ -1626,6 +1626,27 @@ pub(crate) mod tests {
     }
 
     /// Each chunk kernel the CPU can run, and the dispatched one, against `want`.
+    #[test]
+    fn query_heads_together_equal_each_head_alone() {
+        // a KV head's query heads are scored in groups (of up to 3 with AVX-512: 7 heads
+        // are 3 + 3 + 1, 5 are 3 + 2) and their values added in groups of up to 4: each
+        // head's result is bit for bit what it gives as the only query head, on every path
+        let (d, len) = (64, 2 * CHUNK + 37);
+        let keys = random(len * d, 31);
+        let values = random(len * d, 32);
+        let kv = LayerKv::contiguous(&keys, &values, 1, len, len, d);
+        for n_rep in [2, 5, 7] {
+            let q: Vec<f32> = random(n_rep * d, 33 + n_rep as u64).iter().map(|x| 4.0 * x).collect();
+            for (k, f) in paths::<f32>() {
+                let together = attend_with(&q, &kv, f);
+                for h in 0..n_rep {
+                    let alone = attend_with(&q[h * d..(h + 1) * d], &kv, f);
+                    assert_eq!(together[h * d..(h + 1) * d], alone[..], "{k}, {n_rep} query heads, head {h}");
+                }
+            }
+        }
+    }
+
     fn check_every_path<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, want: &[f64], what: &str) {
         let mut paths: Vec<(String, Vec<f32>)> = paths().into_iter().map(|(name, f)| (name, attend_with(q, kv, f))).collect();
         paths.push((format!("dispatched {:?}", kernel()), decode_attention(q, kv)));
