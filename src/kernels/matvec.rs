@@ -392,6 +392,15 @@ impl Ahead {
     /// One pass over rows read from memory.
     #[cfg(target_arch = "x86_64")]
     const STREAM: Ahead = Ahead { stream: true, next: None };
+
+    /// For a pass of `inputs` inputs (`avx512`: by the AVX-512 kernel) at the process's
+    /// [`prefetch`] level: whether it asks for its rows ahead, and whether into the
+    /// second-level cache.
+    #[cfg(target_arch = "x86_64")]
+    fn flags(self, inputs: usize, avx512: bool) -> (bool, bool) {
+        let level = prefetch();
+        (self.stream && (inputs > 1 || level.one_input(avx512)), level != Prefetch::L1)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -436,6 +445,41 @@ mod x86 {
                 *step = 0;
             }
         }
+    }
+
+    /// The prefetches of one step of the batched loops at column `c` of rows `p`: with
+    /// `STREAM` each row's line [`PREFETCH_FLOATS`] ahead (to the second level with `L2`),
+    /// with `NEXT` the plan's share of the next tile. One input keeps up with the memory
+    /// without prefetches into the first level (the hardware prefetcher follows its eight
+    /// rows), not without them into the second on AMD (a single thread's pace there:
+    /// 14.7-16.3 -> 16.4-18.9 GB/s).
+    #[inline(always)]
+    fn prefetch_step<const R: usize, const STREAM: bool, const L2: bool, const NEXT: bool>(p: &[*const f32; R], c: usize, plan: Ahead, step: &mut usize) {
+        if STREAM {
+            for pj in p {
+                ahead(pj.wrapping_add(c + PREFETCH_FLOATS), L2);
+            }
+        }
+        if NEXT {
+            next_tile(p, c, plan, step, L2);
+        }
+    }
+
+    /// `$columns::<R, M, STREAM, L2, NEXT>(args)` with the three flags (stream, to the
+    /// second level, the next tile) turned from values into constants: one loop compiled
+    /// per way of prefetching, none of them testing a flag per step.
+    macro_rules! by_flags {
+        ($columns:ident::<$r:ident, $m:ident>($stream:expr, $l2:expr, $next:expr; $($arg:expr),*)) => {
+            match ($stream, $l2, $next) {
+                (false, _, false) => $columns::<$r, $m, false, false, false>($($arg),*),
+                (false, false, true) => $columns::<$r, $m, false, false, true>($($arg),*),
+                (false, true, true) => $columns::<$r, $m, false, true, true>($($arg),*),
+                (true, false, false) => $columns::<$r, $m, true, false, false>($($arg),*),
+                (true, true, false) => $columns::<$r, $m, true, true, false>($($arg),*),
+                (true, false, true) => $columns::<$r, $m, true, false, true>($($arg),*),
+                (true, true, true) => $columns::<$r, $m, true, true, true>($($arg),*),
+            }
+        };
     }
 
     /// Rows of `w` times one input, eight rows at a time (eight independent chains of
@@ -487,22 +531,12 @@ mod x86 {
         let xp: [*const f32; M] = std::array::from_fn(|m| xs[m].as_ptr());
         let p: [*const f32; R] = std::array::from_fn(|j| w.as_ptr().add((r + j) * cols));
         let mut acc = [[_mm512_setzero_ps(); M]; R];
-        let level = super::prefetch();
-        let l2 = level != super::Prefetch::L1;
-        let stream = plan.stream && (M > 1 || level.one_input(true));
+        let (stream, l2) = plan.flags(M, true);
         // the loop compiled once per way of prefetching, none of them tested per step (the
         // tests and their flags' reloads were a third of the loop's instructions: eight
         // inputs over a matrix in the second-level cache, Zen 5, one thread, 80-81 -> 97
         // G multiply-adds/s; the same with the AVX2 kernel forced, 51-52)
-        match (stream, l2, plan.next.is_some()) {
-            (false, _, false) => columns512::<R, M, false, false, false>(&p, &xp, body, plan, &mut acc),
-            (false, false, true) => columns512::<R, M, false, false, true>(&p, &xp, body, plan, &mut acc),
-            (false, true, true) => columns512::<R, M, false, true, true>(&p, &xp, body, plan, &mut acc),
-            (true, false, false) => columns512::<R, M, true, false, false>(&p, &xp, body, plan, &mut acc),
-            (true, true, false) => columns512::<R, M, true, true, false>(&p, &xp, body, plan, &mut acc),
-            (true, false, true) => columns512::<R, M, true, false, true>(&p, &xp, body, plan, &mut acc),
-            (true, true, true) => columns512::<R, M, true, true, true>(&p, &xp, body, plan, &mut acc),
-        }
+        by_flags!(columns512::<R, M>(stream, l2, plan.next.is_some(); &p, &xp, body, plan, &mut acc));
         for j in 0..R {
             for m in 0..M {
                 let mut s = _mm512_reduce_add_ps(acc[j][m]);
@@ -515,9 +549,8 @@ mod x86 {
     }
 
     /// [`tile512`]'s steps of 16 columns (the first `body`), each (row, input) pair's
-    /// multiply-adds into its accumulator in column order: with `STREAM` the rows asked
-    /// for [`PREFETCH_FLOATS`] ahead (to the second level with `L2`), with `NEXT` the
-    /// plan's share of the next tile.
+    /// multiply-adds into its accumulator in column order, with [`prefetch_step`]'s
+    /// prefetches.
     #[target_feature(enable = "avx512f")]
     #[inline]
     #[allow(clippy::needless_range_loop)] // register arrays indexed by row and input
@@ -530,17 +563,7 @@ mod x86 {
     ) {
         let (mut c, mut step) = (0, 0);
         while c < body {
-            // one input keeps up with the memory without prefetches into the first level
-            // (the hardware prefetcher follows its eight rows), not without them into the
-            // second on AMD (a single thread's pace there: 14.7-16.3 -> 16.4-18.9 GB/s)
-            if STREAM {
-                for pj in p {
-                    ahead(pj.wrapping_add(c + PREFETCH_FLOATS), L2);
-                }
-            }
-            if NEXT {
-                next_tile(p, c, plan, &mut step, L2);
-            }
+            prefetch_step::<R, STREAM, L2, NEXT>(p, c, plan, &mut step);
             let wv: [__m512; R] = std::array::from_fn(|j| _mm512_loadu_ps(p[j].add(c)));
             for m in 0..M {
                 let x = _mm512_loadu_ps(xp[m].add(c));
@@ -603,19 +626,9 @@ mod x86 {
         // 50.2-51.5 tok/s, the AVX-512 kernels 52.2; 4 inputs +3 %, 8 the same) on some
         // CPUs; on others (Zen 3) the hardware prefetcher follows one input's rows better
         // alone ([`super::Prefetch::L2Batch`])
-        let level = super::prefetch();
-        let l2 = level != super::Prefetch::L1;
-        let stream = plan.stream && (M > 1 || level.one_input(false));
+        let (stream, l2) = plan.flags(M, false);
         let lines = body / 16 * 16;
-        match (stream, l2, plan.next.is_some()) {
-            (false, _, false) => columns256::<R, M, false, false, false>(&p, &xp, lines, plan, &mut acc),
-            (false, false, true) => columns256::<R, M, false, false, true>(&p, &xp, lines, plan, &mut acc),
-            (false, true, true) => columns256::<R, M, false, true, true>(&p, &xp, lines, plan, &mut acc),
-            (true, false, false) => columns256::<R, M, true, false, false>(&p, &xp, lines, plan, &mut acc),
-            (true, true, false) => columns256::<R, M, true, true, false>(&p, &xp, lines, plan, &mut acc),
-            (true, false, true) => columns256::<R, M, true, false, true>(&p, &xp, lines, plan, &mut acc),
-            (true, true, true) => columns256::<R, M, true, true, true>(&p, &xp, lines, plan, &mut acc),
-        }
+        by_flags!(columns256::<R, M>(stream, l2, plan.next.is_some(); &p, &xp, lines, plan, &mut acc));
         let mut c = lines;
         while c < body {
             let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(p[j].add(c)));
@@ -652,14 +665,7 @@ mod x86 {
     ) {
         let (mut c, mut step) = (0, 0);
         while c < lines {
-            if STREAM {
-                for pj in p {
-                    ahead(pj.wrapping_add(c + PREFETCH_FLOATS), L2);
-                }
-            }
-            if NEXT {
-                next_tile(p, c, plan, &mut step, L2);
-            }
+            prefetch_step::<R, STREAM, L2, NEXT>(p, c, plan, &mut step);
             for half in [c, c + 8] {
                 let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(p[j].add(half)));
                 for m in 0..M {
