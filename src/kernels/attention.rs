@@ -1625,7 +1625,6 @@ pub(crate) mod tests {
         paths
     }
 
-    /// Each chunk kernel the CPU can run, and the dispatched one, against `want`.
     #[test]
     fn query_heads_together_equal_each_head_alone() {
         // a KV head's query heads are scored in groups (of up to 3 with AVX-512: 7 heads
@@ -1647,6 +1646,7 @@ pub(crate) mod tests {
         }
     }
 
+    /// Each chunk kernel the CPU can run, and the dispatched one, against `want`.
     fn check_every_path<T: Stored>(q: &[f32], kv: &LayerKv<'_, T>, want: &[f64], what: &str) {
         let mut paths: Vec<(String, Vec<f32>)> = paths().into_iter().map(|(name, f)| (name, attend_with(q, kv, f))).collect();
         paths.push((format!("dispatched {:?}", kernel()), decode_attention(q, kv)));
