@@ -633,6 +633,14 @@ fn prefetch_level(py: Python<'_>) -> PyResult<&'static str> {
     Ok(crate::kernels::matvec::prefetch().short_name())
 }
 
+/// How many weight rows a float32 product of one input reads side by side (1 or 8): 1,
+/// or the number `KVCANDLE_ROWS` sets.
+#[pyfunction]
+fn one_input_rows(py: Python<'_>) -> PyResult<usize> {
+    crate::kernels::matvec::check_env().map_err(Error::Device).py_err(py)?;
+    Ok(crate::kernels::matvec::one_input_rows())
+}
+
 /// The SIMD levels this CPU runs, the best last.
 #[pyfunction]
 fn simd_levels() -> Vec<&'static str> {
@@ -655,8 +663,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
     m.add_function(wrap_pyfunction!(simd_levels, m)?)?;
     m.add_function(wrap_pyfunction!(prefetch_level, m)?)?;
+    m.add_function(wrap_pyfunction!(one_input_rows, m)?)?;
     m.add("SIMD_ENV", crate::kernels::matvec::SIMD_ENV)?;
     m.add("PREFETCH_ENV", crate::kernels::matvec::PREFETCH_ENV)?;
+    m.add("ROWS_ENV", crate::kernels::matvec::ROWS_ENV)?;
     m.add("BLOCK_LEN", crate::model::cache::BLOCK_LEN)?;
     m.add("SMALL_CHUNK", crate::model::SMALL_CHUNK)?;
     m.add("PREFILL_CHUNK", crate::model::PREFILL_CHUNK)?;

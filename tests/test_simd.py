@@ -138,3 +138,49 @@ def test_info_names_the_prefetch_level():
     assert got.returncode == 0, got.stderr
     line = next(l for l in got.stdout.splitlines() if l.startswith("prefetch level"))
     assert kvcandle.prefetch_level() in line and kvcandle.PREFETCH_ENV in line
+
+
+# The rows a float32 product of one input reads side by side (KVCANDLE_ROWS): 1 and 8
+# give the same bits (every row has the same arithmetic either way), 1 is the default, a
+# bad value is refused by name, and `info` names it.
+ROWS_PROBE = """
+import kvcandle, numpy as np
+print(kvcandle.one_input_rows())
+model = kvcandle.load()
+cache = model.new_cache()
+ids = model.tokenizer.encode("The capital of France is")
+model.forward(ids[:-1], cache)
+# decode steps of one sequence: every product has one input
+steps = [model.forward([t], cache) for t in (ids[-1], 11, 7)]
+print(np.concatenate([np.asarray(l, dtype=np.float32).ravel() for l in steps]).tobytes().hex())
+"""
+
+
+def test_row_counts_give_the_same_bits():
+    got = {value: run(ROWS_PROBE, value, kvcandle.ROWS_ENV) for value in ("1", " 8 ")}
+    for value, g in got.items():
+        assert g.returncode == 0, g.stderr
+        assert g.stdout.splitlines()[0] == value.strip()
+    assert got["1"].stdout.splitlines()[1] == got[" 8 "].stdout.splitlines()[1]
+
+
+def test_one_row_at_a_time_is_the_default():
+    got = run("import kvcandle; print(kvcandle.one_input_rows())", None, kvcandle.ROWS_ENV)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "1"
+
+
+@pytest.mark.parametrize("value", ["2", "0", "-1", "eight", "1.0"])
+def test_a_bad_row_count_is_refused_by_name(value):
+    code = "import kvcandle\nfor f in (kvcandle.load, kvcandle.one_input_rows):\n    try:\n        f()\n    except kvcandle.DeviceError as e:\n        print('DeviceError', e)\n"
+    got = run(code, value, kvcandle.ROWS_ENV)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.splitlines()
+    assert len(lines) == 2 and all(l.startswith("DeviceError") and f'{kvcandle.ROWS_ENV}="{value}"' in l and "1, 8" in l for l in lines), got.stdout
+
+
+def test_info_names_the_row_count():
+    got = subprocess.run([sys.executable, "-m", "kvcandle", "info"], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    line = next(l for l in got.stdout.splitlines() if l.startswith("one-input rows"))
+    assert str(kvcandle.one_input_rows()) in line and kvcandle.ROWS_ENV in line

@@ -8,7 +8,7 @@
 """
 
 from . import upstream
-from ._core import BLOCK_LEN, PREFETCH_ENV, PREFILL_CHUNK, PREFILL_ROWS, SIMD_ENV, SMALL_CHUNK, __version__, compiled_devices, prefetch_level, simd_level, simd_levels
+from ._core import BLOCK_LEN, PREFETCH_ENV, PREFILL_CHUNK, PREFILL_ROWS, ROWS_ENV, SIMD_ENV, SMALL_CHUNK, __version__, compiled_devices, one_input_rows, prefetch_level, simd_level, simd_levels
 from ._default import default_model_path
 from .beam import beam_search
 from .cache import KVCache, LayerView, held_bytes
@@ -38,7 +38,9 @@ __all__ = [
     "simd_level",
     "simd_levels",
     "prefetch_level",
+    "one_input_rows",
     "PREFETCH_ENV",
+    "ROWS_ENV",
     "SIMD_ENV",
     "BLOCK_LEN",
     "SMALL_CHUNK",

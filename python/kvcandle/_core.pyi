@@ -6,7 +6,7 @@ from typing import Any, Callable
 import numpy as np
 from typing_extensions import final
 
-__all__ = ["Model", "KVCache", "UpstreamModel", "UpstreamKVCache", "SentencePiece", "compiled_devices", "read_gguf_metadata", "held_bytes", "simd_level", "simd_levels", "prefetch_level", "SIMD_ENV", "PREFETCH_ENV", "BLOCK_LEN", "SMALL_CHUNK", "PREFILL_CHUNK", "PREFILL_ROWS", "__version__"]
+__all__ = ["Model", "KVCache", "UpstreamModel", "UpstreamKVCache", "SentencePiece", "compiled_devices", "read_gguf_metadata", "held_bytes", "simd_level", "simd_levels", "prefetch_level", "one_input_rows", "SIMD_ENV", "PREFETCH_ENV", "ROWS_ENV", "BLOCK_LEN", "SMALL_CHUNK", "PREFILL_CHUNK", "PREFILL_ROWS", "__version__"]
 
 __version__: str
 compiled_devices: list[str]
@@ -16,10 +16,12 @@ PREFILL_CHUNK: int
 PREFILL_ROWS: int
 SIMD_ENV: str
 PREFETCH_ENV: str
+ROWS_ENV: str
 
 def simd_level() -> str: ...
 def simd_levels() -> list[str]: ...
 def prefetch_level() -> str: ...
+def one_input_rows() -> int: ...
 
 def held_bytes(caches: list[KVCache]) -> int: ...
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import IO, Iterable, Optional, Sequence
 
-from ._core import PREFETCH_ENV, SIMD_ENV, prefetch_level, simd_level, simd_levels
+from ._core import PREFETCH_ENV, ROWS_ENV, SIMD_ENV, one_input_rows, prefetch_level, simd_level, simd_levels
 from .conversation import Conversation
 from .errors import InputError, KVCandleError
 from .generation import Stats, encode_prompt, stream_generate
@@ -243,6 +243,7 @@ def cmd_info(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
         ("device", model.device),
         ("SIMD level", f"{simd_level()} (this CPU runs {', '.join(simd_levels())}; {SIMD_ENV} forces one)"),
         ("prefetch level", f"{prefetch_level()} (float32 products' prefetches; {PREFETCH_ENV} sets it)"),
+        ("one-input rows", f"{one_input_rows()} (weight rows a float32 product of one input reads side by side; {ROWS_ENV} sets it)"),
         ("parameters", f"{model.num_parameters:,}"),
         ("cache bytes per token", f"{cache.bytes_per_token:,}"),
         ("cache bytes at full context", f"{cache.bytes_per_token * c.max_position_embeddings:,}"),

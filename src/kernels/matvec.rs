@@ -24,6 +24,25 @@ pub const SIMD_ENV: &str = "KVCANDLE_SIMD";
 /// Unset (or empty), [`Prefetch::default_for_cpu`] decides. Results never depend on it.
 pub const PREFETCH_ENV: &str = "KVCANDLE_PREFETCH";
 
+/// The environment variable that sets how many weight rows the float32 product of one
+/// input reads side by side: `1` (one row after the other, one sequential stream, no
+/// software prefetch) or `8` (eight rows, eight streams, prefetched as [`PREFETCH_ENV`]
+/// says), read once, when a kernel first runs, so that either can be measured on any
+/// machine. Unset (or empty): `1` ([`ONE_INPUT_ROWS`]). Results never depend on it: every
+/// row has the same arithmetic either way.
+pub const ROWS_ENV: &str = "KVCANDLE_ROWS";
+
+/// The values [`ROWS_ENV`] takes, the default first. One row at a time is the pattern a
+/// hardware prefetcher follows best: on an AMD EPYC Zen 4 (2026-12-06) eight rows read
+/// 19-23 GB/s on one thread where one row read 26-32, as fast as a plain sum of the same
+/// bytes (`examples/f32_stream_probe.rs`, weights in 2 MiB pages), and the default model's
+/// float32 decode on one thread went from 37.5-39.5 to 44-49 tok/s (AVX2 forced: 39.6-40.3
+/// to 43-53). Software prefetches did not help the one stream (AVX-512 to the second
+/// level: the same within noise; AVX2: 33-38 tok/s to the second level, 39-43 to the
+/// first), so it has none. One multiply-add chain per row is still faster than the memory
+/// (16 floats per 4 cycles with AVX-512), and consecutive rows' chains overlap.
+pub const ONE_INPUT_ROWS: [usize; 2] = [1, 8];
+
 /// Which cache the float32 kernels' software prefetches fill, and which passes ask.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Prefetch {
@@ -146,11 +165,36 @@ pub fn forced_prefetch() -> Result<Option<Prefetch>, String> {
     }
 }
 
-/// Both environment variables of the kernels ([`SIMD_ENV`], [`PREFETCH_ENV`]) checked:
-/// the first unusable one's message.
+/// The rows the one-input float32 products read side by side, chosen once: [`ROWS_ENV`]
+/// if set, else the first of [`ONE_INPUT_ROWS`].
+pub fn one_input_rows() -> usize {
+    static R: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *R.get_or_init(|| forced_rows().ok().flatten().unwrap_or(ONE_INPUT_ROWS[0]))
+}
+
+/// The rows [`ROWS_ENV`] asks for: `Ok(None)` when it is unset or empty, an error naming
+/// the value and the choices when it is none of them.
+pub fn forced_rows() -> Result<Option<usize>, String> {
+    let Ok(value) = std::env::var(ROWS_ENV) else { return Ok(None) };
+    let v = value.trim();
+    if v.is_empty() {
+        return Ok(None);
+    }
+    match v.parse::<usize>() {
+        Ok(r) if ONE_INPUT_ROWS.contains(&r) => Ok(Some(r)),
+        _ => {
+            let choices: Vec<String> = ONE_INPUT_ROWS.iter().map(|r| r.to_string()).collect();
+            Err(format!("{ROWS_ENV}={value:?} is not a number of rows: use one of {}", choices.join(", ")))
+        }
+    }
+}
+
+/// The environment variables of the kernels ([`SIMD_ENV`], [`PREFETCH_ENV`],
+/// [`ROWS_ENV`]) checked: the first unusable one's message.
 pub fn check_env() -> Result<(), String> {
     forced()?;
     forced_prefetch()?;
+    forced_rows()?;
     Ok(())
 }
 
@@ -235,9 +279,9 @@ impl Kernel {
         match self {
             // SAFETY: the instruction set was detected at run time (`detect`/`available`).
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512 => unsafe { x86::rows_avx512(w, x, out) },
+            Kernel::Avx512 => unsafe { x86::rows_avx512(w, x, out, one_input_rows()) },
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => unsafe { x86::rows_avx2(w, x, out) },
+            Kernel::Avx2 => unsafe { x86::rows_avx2(w, x, out, one_input_rows()) },
             _ => rows_portable(w, x, out),
         }
     }
@@ -393,6 +437,10 @@ impl Ahead {
     #[cfg(target_arch = "x86_64")]
     const STREAM: Ahead = Ahead { stream: true, next: None };
 
+    /// One pass that asks for nothing ahead.
+    #[cfg(target_arch = "x86_64")]
+    const NONE: Ahead = Ahead { stream: false, next: None };
+
     /// For a pass of `inputs` inputs (`avx512`: by the AVX-512 kernel) at the process's
     /// [`prefetch`] level: whether it asks for its rows ahead, and whether into the
     /// second-level cache.
@@ -482,11 +530,16 @@ mod x86 {
         };
     }
 
-    /// Rows of `w` times one input, eight rows at a time (eight independent chains of
-    /// fused multiply-adds; each load of `x` serves eight rows), then one by one.
+    /// Rows of `w` times one input: with `rows` = 1 one row after the other (one
+    /// sequential stream, one chain of fused multiply-adds per row), with 8 eight rows at
+    /// a time (eight streams and chains; each load of `x` serves eight rows), then one by
+    /// one ([`super::ROWS_ENV`]).
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn rows_avx512(w: &[f32], x: &[f32], out: &mut [f32]) {
-        rows512::<8, 1>(w, &[x], &mut [out], Ahead::STREAM);
+    pub unsafe fn rows_avx512(w: &[f32], x: &[f32], out: &mut [f32], rows: usize) {
+        match rows {
+            8 => rows512::<8, 1>(w, &[x], &mut [out], Ahead::STREAM),
+            _ => rows512::<1, 1>(w, &[x], &mut [out], Ahead::NONE),
+        }
     }
 
     /// Rows of `w` times up to eight inputs (groups of four rows, of three from seven
@@ -577,8 +630,11 @@ mod x86 {
 
     /// [`rows_avx512`] with AVX2 registers, over steps of 8 columns.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn rows_avx2(w: &[f32], x: &[f32], out: &mut [f32]) {
-        rows256::<8, 1>(w, &[x], &mut [out], Ahead::STREAM);
+    pub unsafe fn rows_avx2(w: &[f32], x: &[f32], out: &mut [f32], rows: usize) {
+        match rows {
+            8 => rows256::<8, 1>(w, &[x], &mut [out], Ahead::STREAM),
+            _ => rows256::<1, 1>(w, &[x], &mut [out], Ahead::NONE),
+        }
     }
 
     /// [`batch_avx512`] with AVX2's sixteen registers: groups of two rows, of four for two
@@ -743,6 +799,38 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// One row at a time and eight at a time ([`ROWS_ENV`]) give every row the same bits,
+    /// on every x86 level the CPU runs (the float64 test checks the default's).
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn one_input_row_counts_give_the_same_bits() {
+        let mut s = 4242u64;
+        let mut rnd = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        for (rows, cols) in [(13, 576), (17, 1536), (7, 37), (9, 3), (1, 64)] {
+            let w: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
+            let x: Vec<f32> = (0..cols).map(|_| rnd()).collect();
+            for k in Kernel::available() {
+                let by: Vec<Vec<f32>> = ONE_INPUT_ROWS
+                    .iter()
+                    .map(|&r| {
+                        let mut out = vec![0f32; rows];
+                        // SAFETY: each level is one this CPU runs (`Kernel::available`)
+                        match k {
+                            Kernel::Avx512 => unsafe { x86::rows_avx512(&w, &x, &mut out, r) },
+                            Kernel::Avx2 => unsafe { x86::rows_avx2(&w, &x, &mut out, r) },
+                            Kernel::Portable => k.mul_rows(&w, &x, 0, &mut out),
+                        }
+                        out
+                    })
+                    .collect();
+                assert!(by.iter().all(|o| o.iter().zip(&by[0]).all(|(a, b)| a.to_bits() == b.to_bits())), "{k:?} {rows}x{cols}");
             }
         }
     }
