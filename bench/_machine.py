@@ -8,8 +8,9 @@ FEATURES = ["avx512f", "avx512_vnni", "avx2", "fma", "f16c", "amx_tile"]
 
 def cpu_features() -> str:
     """The CPU's SIMD features among :data:`FEATURES` (Linux's /proc/cpuinfo; "unknown"
-    elsewhere), and the level kvcandle's kernels run at (the best the CPU runs, or the
-    one ``KVCANDLE_SIMD`` forces)."""
+    elsewhere), and how kvcandle's kernels run: their level (the best the CPU runs, or
+    the one ``KVCANDLE_SIMD`` forces), the float32 prefetch level and the rows a
+    one-input product reads side by side (``KVCANDLE_PREFETCH``, ``KVCANDLE_ROWS``)."""
     import kvcandle
 
     try:
@@ -17,4 +18,4 @@ def cpu_features() -> str:
     except (OSError, StopIteration):
         flags = []
     listed = " ".join(f for f in FEATURES if f in flags) or "unknown"
-    return f"{listed}; kvcandle kernels: {kvcandle.simd_level()}"
+    return f"{listed}; kvcandle kernels: {kvcandle.simd_level()}, prefetch {kvcandle.prefetch_level()}, one-input rows {kvcandle.one_input_rows()}"

@@ -279,7 +279,7 @@ def main() -> None:
     threads = args.threads
     print(f"cpu: {cpu_description()}")
     print(f"threads: {threads} for every engine ({os.cpu_count()} CPUs); kvcandle {kvcandle.__version__}")
-    print(f"kvcandle's kernels: {kvcandle.simd_level()} (this CPU runs {', '.join(kvcandle.simd_levels())})")
+    print(f"kvcandle's kernels: {kvcandle.simd_level()} (this CPU runs {', '.join(kvcandle.simd_levels())}), prefetch {kvcandle.prefetch_level()}, one-input rows {kvcandle.one_input_rows()}")
     try:
         import llama_cpp
 
