@@ -3,12 +3,11 @@
 //! one matrix ([`crate::kernels::team`]).
 //!
 //! A decode step reads every weight once, so these kernels are about streaming memory:
-//! eight rows at a time (each load of `x` serves eight rows, eight independent chains of
-//! fused multiply-adds), one accumulator and one horizontal sum per row. Several inputs
-//! (a batch of sequences, a short chunk) share each load of the weights: the same
-//! arithmetic per (row, input), so every result is bit-identical to the one-input
-//! product's. The
-//! instruction set is chosen at run time: AVX-512F, AVX2 + FMA, or a portable version
+//! one accumulator and one horizontal sum per row; one input reads its rows one after the
+//! other, a single sequential stream ([`ROWS_ENV`] selects eight side by side instead).
+//! Several inputs (a batch of sequences, a short chunk) share each load of the weights,
+//! three or four rows at a time: the same arithmetic per (row, input), so every result is
+//! bit-identical to the one-input product's. The instruction set is chosen at run time: AVX-512F, AVX2 + FMA, or a portable version
 //! written with eight-lane arrays that the compiler vectorizes (NEON on aarch64, SSE2 on
 //! any x86-64). Each is tested against a float64 reference.
 
