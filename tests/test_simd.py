@@ -77,21 +77,29 @@ def test_info_names_the_level():
     assert kvcandle.simd_level() in line and kvcandle.SIMD_ENV in line
 
 
-# The float32 products' software prefetches (KVCANDLE_PREFETCH): every level gives the
-# same bits (a prefetch moves no data a kernel computes with), a bad value is refused by
-# name, and `info` names the level.
-PREFETCH_PROBE = """
+def setting_probe(setting: str) -> str:
+    """Code that prints ``kvcandle.<setting>()``, then the bits of the logits of a batch
+    (13 rows: several passes over tiles of rows on every SIMD level) and of one
+    sequence's decode steps (every product with one input)."""
+    return f"""
 import kvcandle, numpy as np
-print(kvcandle.prefetch_level())
+print(kvcandle.{setting}())
 model = kvcandle.load()
 base = model.new_cache()
 ids = model.tokenizer.encode("The capital of France is")
 model.forward(ids[:-1], base)
 caches = [base.fork() for _ in range(4)]
-# 13 rows: several passes over tiles of rows on every SIMD level
 logits = model.forward_batch([[ids[-1]], [ids[-1], 11], [7], list(range(100, 109))], caches)
+one = base.fork()
+logits += [model.forward([t], one) for t in (ids[-1], 11, 7)]
 print(np.concatenate([np.asarray(l, dtype=np.float32).ravel() for l in logits]).tobytes().hex())
 """
+
+
+# The float32 products' software prefetches (KVCANDLE_PREFETCH): every level gives the
+# same bits (a prefetch moves no data a kernel computes with), a bad value is refused by
+# name, and `info` names the level.
+PREFETCH_PROBE = setting_probe("prefetch_level")
 
 
 def test_prefetch_levels_give_the_same_bits():
@@ -143,17 +151,7 @@ def test_info_names_the_prefetch_level():
 # The rows a float32 product of one input reads side by side (KVCANDLE_ROWS): 1 and 8
 # give the same bits (every row has the same arithmetic either way), 1 is the default, a
 # bad value is refused by name, and `info` names it.
-ROWS_PROBE = """
-import kvcandle, numpy as np
-print(kvcandle.one_input_rows())
-model = kvcandle.load()
-cache = model.new_cache()
-ids = model.tokenizer.encode("The capital of France is")
-model.forward(ids[:-1], cache)
-# decode steps of one sequence: every product has one input
-steps = [model.forward([t], cache) for t in (ids[-1], 11, 7)]
-print(np.concatenate([np.asarray(l, dtype=np.float32).ravel() for l in steps]).tobytes().hex())
-"""
+ROWS_PROBE = setting_probe("one_input_rows")
 
 
 def test_row_counts_give_the_same_bits():

@@ -771,13 +771,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn batched_rows_equal_single_rows_bit_for_bit() {
-        let mut s = 777u64;
-        let mut rnd = || {
+    /// Pseudo-random floats in [-1, 1), from `seed`.
+    fn uniform(seed: u64) -> impl FnMut() -> f32 {
+        let mut s = seed;
+        move || {
             s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
+        }
+    }
+
+    #[test]
+    fn batched_rows_equal_single_rows_bit_for_bit() {
+        let mut rnd = uniform(777);
         // 41 x 576 and 19 x 1536 span several tiles of rows ([`TILE_BYTES`]), the last partial
         const { assert!(41 * 576 * 4 > 2 * TILE_BYTES && 19 * 1536 * 4 > 2 * TILE_BYTES) };
         for (rows, cols) in [(13, 576), (8, 1536), (41, 576), (19, 1536), (7, 37), (5, 3), (1, 64), (6, 32)] {
@@ -807,11 +812,7 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn one_input_row_counts_give_the_same_bits() {
-        let mut s = 4242u64;
-        let mut rnd = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
+        let mut rnd = uniform(4242);
         for (rows, cols) in [(13, 576), (17, 1536), (7, 37), (9, 3), (1, 64)] {
             let w: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
             let x: Vec<f32> = (0..cols).map(|_| rnd()).collect();
@@ -836,11 +837,7 @@ mod tests {
 
     #[test]
     fn every_kernel_matches_float64() {
-        let mut s = 12345u64;
-        let mut rnd = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
+        let mut rnd = uniform(12345);
         // column counts with and without a tail; row counts with and without a remainder of 4
         for (rows, cols) in [(13, 576), (8, 1536), (7, 37), (5, 3), (1, 64)] {
             let w: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
