@@ -97,8 +97,8 @@ print(np.concatenate([np.asarray(l, dtype=np.float32).ravel() for l in logits]).
 
 
 # The float32 products' software prefetches (KVCANDLE_PREFETCH): every level gives the
-# same bits (a prefetch moves no data a kernel computes with), a bad value is refused by
-# name, and `info` names the level.
+# same bits (a prefetch moves no data a kernel computes with), and the default follows
+# the CPU (bad values and `info`: SETTINGS below).
 PREFETCH_PROBE = setting_probe("prefetch_level")
 
 
@@ -131,26 +131,9 @@ def test_the_default_prefetch_level_follows_the_cpu():
     assert got.stdout.strip() == ("l2" if zen4 else "l1" if zen5_on else "l2-batch" if amd else "l1")
 
 
-@pytest.mark.parametrize("value", ["l3", "t0", "fast", "l2batch"])
-def test_a_bad_prefetch_level_is_refused_by_name(value):
-    code = "import kvcandle\nfor f in (kvcandle.load, kvcandle.prefetch_level):\n    try:\n        f()\n    except kvcandle.DeviceError as e:\n        print('DeviceError', e)\n"
-    got = run(code, value, kvcandle.PREFETCH_ENV)
-    assert got.returncode == 0, got.stderr
-    lines = got.stdout.splitlines()
-    levels = ("l1", "l2", "l2-batch")
-    assert len(lines) == 2 and all(l.startswith("DeviceError") and f'{kvcandle.PREFETCH_ENV}="{value}"' in l and all(n in l for n in levels) for l in lines), got.stdout
-
-
-def test_info_names_the_prefetch_level():
-    got = subprocess.run([sys.executable, "-m", "kvcandle", "info"], capture_output=True, text=True, timeout=300)
-    assert got.returncode == 0, got.stderr
-    line = next(l for l in got.stdout.splitlines() if l.startswith("prefetch level"))
-    assert kvcandle.prefetch_level() in line and kvcandle.PREFETCH_ENV in line
-
-
 # The rows a float32 product of one input reads side by side (KVCANDLE_ROWS): 1 and 8
-# give the same bits (every row has the same arithmetic either way), 1 is the default, a
-# bad value is refused by name, and `info` names it.
+# give the same bits (every row has the same arithmetic either way), and 1 is the
+# default (bad values and `info`: SETTINGS below).
 ROWS_PROBE = setting_probe("one_input_rows")
 
 
@@ -168,17 +151,28 @@ def test_one_row_at_a_time_is_the_default():
     assert got.stdout.strip() == "1"
 
 
-@pytest.mark.parametrize("value", ["2", "0", "-1", "eight", "1.0"])
-def test_a_bad_row_count_is_refused_by_name(value):
-    code = "import kvcandle\nfor f in (kvcandle.load, kvcandle.one_input_rows):\n    try:\n        f()\n    except kvcandle.DeviceError as e:\n        print('DeviceError', e)\n"
-    got = run(code, value, kvcandle.ROWS_ENV)
+# Both settings (KVCANDLE_PREFETCH, KVCANDLE_ROWS): (environment variable, the text each
+# choice appears in within the refusal, bad values, `info`'s line).
+SETTINGS = {
+    "prefetch_level": (kvcandle.PREFETCH_ENV, ("l1", "l2", "l2-batch"), ["l3", "t0", "fast", "l2batch"], "prefetch level"),
+    "one_input_rows": (kvcandle.ROWS_ENV, ("1, 8",), ["2", "0", "-1", "eight", "1.0"], "one-input rows"),
+}
+
+
+@pytest.mark.parametrize("setting,value", [(setting, value) for setting, (_, _, bad, _) in SETTINGS.items() for value in bad])
+def test_a_bad_setting_is_refused_by_name(setting, value):
+    var, choices, _, _ = SETTINGS[setting]
+    code = f"import kvcandle\nfor f in (kvcandle.load, kvcandle.{setting}):\n    try:\n        f()\n    except kvcandle.DeviceError as e:\n        print('DeviceError', e)\n"
+    got = run(code, value, var)
     assert got.returncode == 0, got.stderr
     lines = got.stdout.splitlines()
-    assert len(lines) == 2 and all(l.startswith("DeviceError") and f'{kvcandle.ROWS_ENV}="{value}"' in l and "1, 8" in l for l in lines), got.stdout
+    assert len(lines) == 2 and all(l.startswith("DeviceError") and f'{var}="{value}"' in l and all(c in l for c in choices) for l in lines), got.stdout
 
 
-def test_info_names_the_row_count():
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_info_names_the_setting(setting):
+    var, _, _, label = SETTINGS[setting]
     got = subprocess.run([sys.executable, "-m", "kvcandle", "info"], capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr
-    line = next(l for l in got.stdout.splitlines() if l.startswith("one-input rows"))
-    assert str(kvcandle.one_input_rows()) in line and kvcandle.ROWS_ENV in line
+    line = next(l for l in got.stdout.splitlines() if l.startswith(label))
+    assert str(getattr(kvcandle, setting)()) in line and var in line

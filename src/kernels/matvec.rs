@@ -7,9 +7,10 @@
 //! other, a single sequential stream ([`ROWS_ENV`] selects eight side by side instead).
 //! Several inputs (a batch of sequences, a short chunk) share each load of the weights,
 //! three or four rows at a time: the same arithmetic per (row, input), so every result is
-//! bit-identical to the one-input product's. The instruction set is chosen at run time: AVX-512F, AVX2 + FMA, or a portable version
-//! written with eight-lane arrays that the compiler vectorizes (NEON on aarch64, SSE2 on
-//! any x86-64). Each is tested against a float64 reference.
+//! bit-identical to the one-input product's. The instruction set is chosen at run time:
+//! AVX-512F, AVX2 + FMA, or a portable version written with eight-lane arrays that the
+//! compiler vectorizes (NEON on aarch64, SSE2 on any x86-64). Each is tested against a
+//! float64 reference.
 
 /// The environment variable that forces the instruction set of kvcandle's own kernels
 /// (`avx512`, `avx2` or `portable`), read once, when a kernel first runs: so that each
@@ -147,14 +148,18 @@ pub fn prefetch() -> Prefetch {
     *P.get_or_init(|| forced_prefetch().ok().flatten().unwrap_or_else(Prefetch::default_for_cpu))
 }
 
+/// A kernel setting's environment variable: its value as set and that value trimmed and
+/// lowercased, or None when it is unset or empty (the default then applies).
+fn env_setting(var: &str) -> Option<(String, String)> {
+    let value = std::env::var(var).ok()?;
+    let wanted = value.trim().to_ascii_lowercase();
+    (!wanted.is_empty()).then_some((value, wanted))
+}
+
 /// The level [`PREFETCH_ENV`] asks for: `Ok(None)` when it is unset or empty, an error
 /// naming the value and the levels when it is none of them.
 pub fn forced_prefetch() -> Result<Option<Prefetch>, String> {
-    let Ok(value) = std::env::var(PREFETCH_ENV) else { return Ok(None) };
-    let name = value.trim().to_ascii_lowercase();
-    if name.is_empty() {
-        return Ok(None);
-    }
+    let Some((value, name)) = env_setting(PREFETCH_ENV) else { return Ok(None) };
     match Prefetch::ALL.into_iter().find(|p| p.short_name() == name) {
         Some(p) => Ok(Some(p)),
         None => {
@@ -174,11 +179,7 @@ pub fn one_input_rows() -> usize {
 /// The rows [`ROWS_ENV`] asks for: `Ok(None)` when it is unset or empty, an error naming
 /// the value and the choices when it is none of them.
 pub fn forced_rows() -> Result<Option<usize>, String> {
-    let Ok(value) = std::env::var(ROWS_ENV) else { return Ok(None) };
-    let v = value.trim();
-    if v.is_empty() {
-        return Ok(None);
-    }
+    let Some((value, v)) = env_setting(ROWS_ENV) else { return Ok(None) };
     match v.parse::<usize>() {
         Ok(r) if ONE_INPUT_ROWS.contains(&r) => Ok(Some(r)),
         _ => {
@@ -220,11 +221,7 @@ fn best() -> Kernel {
 /// The level [`SIMD_ENV`] asks for: `Ok(None)` when it is unset or empty, an error naming
 /// the value when it is not a level's name or the CPU cannot run that level.
 pub fn forced() -> Result<Option<Kernel>, String> {
-    let Ok(value) = std::env::var(SIMD_ENV) else { return Ok(None) };
-    let wanted = value.trim().to_ascii_lowercase();
-    if wanted.is_empty() {
-        return Ok(None);
-    }
+    let Some((value, wanted)) = env_setting(SIMD_ENV) else { return Ok(None) };
     let names: Vec<&str> = Kernel::available().iter().map(|k| k.short_name()).collect();
     let level = [Kernel::Avx512, Kernel::Avx2, Kernel::Portable]
         .into_iter()
