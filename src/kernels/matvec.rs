@@ -25,11 +25,11 @@ pub const SIMD_ENV: &str = "KVCANDLE_SIMD";
 pub const PREFETCH_ENV: &str = "KVCANDLE_PREFETCH";
 
 /// The environment variable that sets how many weight rows the float32 product of one
-/// input reads side by side: `1` (one row after the other, one sequential stream, no
-/// software prefetch) or `8` (eight rows, eight streams, prefetched as [`PREFETCH_ENV`]
-/// says), read once, when a kernel first runs, so that either can be measured on any
-/// machine. Unset (or empty): `1` ([`ONE_INPUT_ROWS`]). Results never depend on it: every
-/// row has the same arithmetic either way.
+/// input reads side by side: `1` (one row after the other, one sequential stream) or `8`
+/// (eight rows, eight streams), each prefetched as [`PREFETCH_ENV`] says
+/// ([`Prefetch::one_input`]), read once, when a kernel first runs, so that either can be
+/// measured on any machine. Unset (or empty): `1` ([`ONE_INPUT_ROWS`]). Results never
+/// depend on it: every row has the same arithmetic either way.
 pub const ROWS_ENV: &str = "KVCANDLE_ROWS";
 
 /// The values [`ROWS_ENV`] takes, the default first. One row at a time is the pattern a
@@ -37,18 +37,19 @@ pub const ROWS_ENV: &str = "KVCANDLE_ROWS";
 /// 19-23 GB/s on one thread where one row read 26-32, as fast as a plain sum of the same
 /// bytes (`examples/f32_stream_probe.rs`, weights in 2 MiB pages), and the default model's
 /// float32 decode on one thread went from 37.5-39.5 to 44-49 tok/s (AVX2 forced: 39.6-40.3
-/// to 43-53). Software prefetches did not help the one stream (AVX-512 to the second
-/// level: the same within noise; AVX2: 33-38 tok/s to the second level, 39-43 to the
-/// first), so it has none. One multiply-add chain per row is still faster than the memory
-/// (16 floats per 4 cycles with AVX-512), and consecutive rows' chains overlap.
+/// to 43-53). On the Intel Xeon (2026-12-06) the one stream needs software prefetches
+/// (one thread: 12.7-12.8 GB/s without, 15.9-17.1 with, eight rows 14.7-14.8), which
+/// [`Prefetch::one_input`] asks for where they helped. One multiply-add chain per row is
+/// still faster than the memory (16 floats per 4 cycles with AVX-512), and consecutive
+/// rows' chains overlap.
 pub const ONE_INPUT_ROWS: [usize; 2] = [1, 8];
 
 /// Which cache the float32 kernels' software prefetches fill, and which passes ask.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Prefetch {
-    /// The first level (one input with AVX-512 asks for nothing).
+    /// The first level, every pass but one input's eight rows with AVX-512.
     L1,
-    /// The second level, every pass.
+    /// The second level, every pass but one input's rows read one at a time.
     L2,
     /// The second level, only in passes of several inputs: one input's rows are left to
     /// the hardware prefetcher.
@@ -68,13 +69,19 @@ impl Prefetch {
     /// Every level, in [`PREFETCH_ENV`]'s names.
     const ALL: [Prefetch; 3] = [Prefetch::L1, Prefetch::L2, Prefetch::L2Batch];
 
-    /// Whether a pass of one input asks for its rows ahead (`avx512`: the AVX-512 kernel,
-    /// which keeps up with the memory without first-level prefetches).
+    /// Whether a pass of one input asks for its rows ahead. Read one row at a time
+    /// (`one_row`, the default): at `l1` only. On the Intel Xeon (`l1`), the default
+    /// model's float32 decode on one thread went from 21.9-23.1 tok/s without to 28.6-29.8
+    /// with them (AVX2 forced 24.5-24.6 -> 25.7-26.3), where the second level gave the
+    /// same as the first; on the Zen 4 (`l2`) the second level gave the same as none with
+    /// AVX-512 and less with AVX2 (43-53 -> 33-38 tok/s). Eight rows at a time: at `l2`,
+    /// and at `l1` with the AVX2 kernel (the AVX-512 kernel, `avx512`, keeps up with the
+    /// memory without first-level prefetches).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    pub(crate) fn one_input(self, avx512: bool) -> bool {
+    pub(crate) fn one_input(self, one_row: bool, avx512: bool) -> bool {
         match self {
-            Prefetch::L1 => !avx512,
-            Prefetch::L2 => true,
+            Prefetch::L1 => one_row || !avx512,
+            Prefetch::L2 => !one_row,
             Prefetch::L2Batch => false,
         }
     }
@@ -433,17 +440,13 @@ impl Ahead {
     #[cfg(target_arch = "x86_64")]
     const STREAM: Ahead = Ahead { stream: true, next: None };
 
-    /// One pass that asks for nothing ahead.
-    #[cfg(target_arch = "x86_64")]
-    const NONE: Ahead = Ahead { stream: false, next: None };
-
     /// For a pass of `inputs` inputs (`avx512`: by the AVX-512 kernel) at the process's
     /// [`prefetch`] level: whether it asks for its rows ahead, and whether into the
     /// second-level cache.
     #[cfg(target_arch = "x86_64")]
-    fn flags(self, inputs: usize, avx512: bool) -> (bool, bool) {
+    fn flags(self, rows: usize, inputs: usize, avx512: bool) -> (bool, bool) {
         let level = prefetch();
-        (self.stream && (inputs > 1 || level.one_input(avx512)), level != Prefetch::L1)
+        (self.stream && (inputs > 1 || level.one_input(rows == 1, avx512)), level != Prefetch::L1)
     }
 }
 
@@ -534,7 +537,7 @@ mod x86 {
     pub unsafe fn rows_avx512(w: &[f32], x: &[f32], out: &mut [f32], rows: usize) {
         match rows {
             8 => rows512::<8, 1>(w, &[x], &mut [out], Ahead::STREAM),
-            _ => rows512::<1, 1>(w, &[x], &mut [out], Ahead::NONE),
+            _ => rows512::<1, 1>(w, &[x], &mut [out], Ahead::STREAM),
         }
     }
 
@@ -580,7 +583,7 @@ mod x86 {
         let xp: [*const f32; M] = std::array::from_fn(|m| xs[m].as_ptr());
         let p: [*const f32; R] = std::array::from_fn(|j| w.as_ptr().add((r + j) * cols));
         let mut acc = [[_mm512_setzero_ps(); M]; R];
-        let (stream, l2) = plan.flags(M, true);
+        let (stream, l2) = plan.flags(R, M, true);
         // the loop compiled once per way of prefetching, none of them tested per step (the
         // tests and their flags' reloads were a third of the loop's instructions: eight
         // inputs over a matrix in the second-level cache, Zen 5, one thread, 80-81 -> 97
@@ -629,7 +632,7 @@ mod x86 {
     pub unsafe fn rows_avx2(w: &[f32], x: &[f32], out: &mut [f32], rows: usize) {
         match rows {
             8 => rows256::<8, 1>(w, &[x], &mut [out], Ahead::STREAM),
-            _ => rows256::<1, 1>(w, &[x], &mut [out], Ahead::NONE),
+            _ => rows256::<1, 1>(w, &[x], &mut [out], Ahead::STREAM),
         }
     }
 
@@ -678,7 +681,7 @@ mod x86 {
         // 50.2-51.5 tok/s, the AVX-512 kernels 52.2; 4 inputs +3 %, 8 the same) on some
         // CPUs; on others (Zen 3) the hardware prefetcher follows one input's rows better
         // alone ([`super::Prefetch::L2Batch`])
-        let (stream, l2) = plan.flags(M, false);
+        let (stream, l2) = plan.flags(R, M, false);
         let lines = body / 16 * 16;
         by_flags!(columns256::<R, M>(stream, l2, plan.next.is_some(); &p, &xp, lines, plan, &mut acc));
         let mut c = lines;
