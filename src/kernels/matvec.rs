@@ -496,10 +496,9 @@ mod x86 {
 
     /// The prefetches of one step of the batched loops at column `c` of rows `p`: with
     /// `STREAM` each row's line [`PREFETCH_FLOATS`] ahead (to the second level with `L2`),
-    /// with `NEXT` the plan's share of the next tile. One input keeps up with the memory
-    /// without prefetches into the first level (the hardware prefetcher follows its eight
-    /// rows), not without them into the second on AMD (a single thread's pace there:
-    /// 14.7-16.3 -> 16.4-18.9 GB/s).
+    /// with `NEXT` the plan's share of the next tile. Which passes of one input ask is
+    /// [`super::Prefetch::one_input`]'s rule (one row at a time on the Xeon needed them;
+    /// eight rows at a time with AVX-512 kept up without first-level ones).
     #[inline(always)]
     fn prefetch_step<const R: usize, const STREAM: bool, const L2: bool, const NEXT: bool>(p: &[*const f32; R], c: usize, plan: Ahead, step: &mut usize) {
         if STREAM {
