@@ -128,21 +128,25 @@ mod x {
         let huge = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default().lines().find(|l| l.starts_with("AnonHugePages")).map(|l| l.to_string());
         println!("{} MB, {threads} thread(s), {}", total * 4 / 1_000_000, huge.unwrap_or_else(|| "huge pages unknown".into()));
         let xs: Vec<Vec<f32>> = [576usize, 1536].iter().map(|&c| (0..c).map(|i| (i % 7) as f32).collect()).collect();
-        let passes: [(&str, Pass); 13] = [
+        // the variants both widths are measured in
+        macro_rules! widths {
+            ($width:literal, $rows:ident) => {
+                [
+                    (concat!($width, ", 8 rows"), $rows::<8, 0, false> as Pass),
+                    (concat!($width, ", 1 row"), $rows::<1, 0, false>),
+                    (concat!($width, ", 1 row, l2 1,024 ahead"), $rows::<1, 1024, true>),
+                    (concat!($width, ", 1 row, l2 2,048 ahead"), $rows::<1, 2048, true>),
+                    (concat!($width, ", 1 row, l1 1,024 ahead"), $rows::<1, 1024, false>),
+                ]
+            };
+        }
+        let mut passes: Vec<(&str, Pass)> = vec![
             ("sum of every float", sum),
             ("AVX-512, 8 rows, l2 2,048 ahead", rows512::<8, 2048, true>),
-            ("AVX-512, 8 rows", rows512::<8, 0, false>),
-            ("AVX-512, 1 row", rows512::<1, 0, false>),
             ("AVX-512, 1 row, l2 512 ahead", rows512::<1, 512, true>),
-            ("AVX-512, 1 row, l2 1,024 ahead", rows512::<1, 1024, true>),
-            ("AVX-512, 1 row, l2 2,048 ahead", rows512::<1, 2048, true>),
-            ("AVX-512, 1 row, l1 1,024 ahead", rows512::<1, 1024, false>),
-            ("AVX2, 8 rows", rows256::<8, 0, false>),
-            ("AVX2, 1 row", rows256::<1, 0, false>),
-            ("AVX2, 1 row, l2 1,024 ahead", rows256::<1, 1024, true>),
-            ("AVX2, 1 row, l2 2,048 ahead", rows256::<1, 2048, true>),
-            ("AVX2, 1 row, l1 1,024 ahead", rows256::<1, 1024, false>),
         ];
+        passes.extend(widths!("AVX-512", rows512));
+        passes.extend(widths!("AVX2", rows256));
         let mut rates: Vec<Vec<f64>> = vec![Vec::new(); passes.len()];
         for _ in 0..rounds {
             for (&(_, pass), rate) in passes.iter().zip(&mut rates) {

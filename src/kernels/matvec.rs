@@ -440,9 +440,10 @@ impl Ahead {
     #[cfg(target_arch = "x86_64")]
     const STREAM: Ahead = Ahead { stream: true, next: None };
 
-    /// For a pass of `inputs` inputs (`avx512`: by the AVX-512 kernel) at the process's
-    /// [`prefetch`] level: whether it asks for its rows ahead, and whether into the
-    /// second-level cache.
+    /// For a pass over tiles of `rows` rows (one: a single sequential stream, as the
+    /// one-row kernel and a tile kernel's last rows read) and `inputs` inputs (`avx512`:
+    /// by the AVX-512 kernel) at the process's [`prefetch`] level: whether it asks for its
+    /// rows ahead, and whether into the second-level cache.
     #[cfg(target_arch = "x86_64")]
     fn flags(self, rows: usize, inputs: usize, avx512: bool) -> (bool, bool) {
         let level = prefetch();
