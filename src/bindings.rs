@@ -626,7 +626,8 @@ fn simd_level(py: Python<'_>) -> PyResult<&'static str> {
 }
 
 /// Where the float32 kernels' software prefetches put the weights and which passes ask
-/// (`l1`, `l2` or `l2-batch`): the CPU's default, or the one `KVCANDLE_PREFETCH` sets.
+/// (`l1`, `l2`, `l2-batch` or `l1+l2`): the CPU's default, or the one `KVCANDLE_PREFETCH`
+/// sets.
 #[pyfunction]
 fn prefetch_level(py: Python<'_>) -> PyResult<&'static str> {
     crate::kernels::matvec::check_env().map_err(Error::Device).py_err(py)?;

@@ -19,8 +19,9 @@
 pub const SIMD_ENV: &str = "KVCANDLE_SIMD";
 
 /// The environment variable that sets where the float32 products' software prefetches
-/// put the weights they ask for ahead: `l1` (the first-level cache) or `l2` (the second),
-/// read once, when a kernel first runs, so that either can be measured on any machine.
+/// put the weights they ask for ahead: `l1` (the first-level cache), `l2` (the second),
+/// `l2-batch` or `l1+l2` ([`Prefetch`]), read once, when a kernel first runs, so that
+/// each can be measured on any machine.
 /// Unset (or empty), [`Prefetch::default_for_cpu`] decides. Results never depend on it.
 pub const PREFETCH_ENV: &str = "KVCANDLE_PREFETCH";
 
@@ -54,6 +55,16 @@ pub enum Prefetch {
     /// The second level, only in passes of several inputs: one input's rows are left to
     /// the hardware prefetcher.
     L2Batch,
+    /// As [`Prefetch::L1`], and passes of several inputs also ask for each line a second
+    /// time, further ahead ([`x86::FAR_FLOATS`]), into the second level: on the Intel
+    /// Xeon (2026-12-06) sixteen first-level miss buffers hold too few lines for the
+    /// memory's latency, and requests into the second level take none of them until the
+    /// first-level request comes. Eight inputs there (`examples/products_probe.rs`'s
+    /// shapes, weights from memory): one thread 11.1-11.5 -> 12.4-12.8 GB/s, two threads
+    /// 20.7-22.4 -> 22.6-23.2; one input, one row at a time, gained in that probe
+    /// (13.3-13.5 -> 14.0-14.5 GB/s) but not in the model's decode step, so it keeps
+    /// [`Prefetch::L1`]'s single request.
+    L1L2,
 }
 
 impl Prefetch {
@@ -63,11 +74,12 @@ impl Prefetch {
             Prefetch::L1 => "l1",
             Prefetch::L2 => "l2",
             Prefetch::L2Batch => "l2-batch",
+            Prefetch::L1L2 => "l1+l2",
         }
     }
 
     /// Every level, in [`PREFETCH_ENV`]'s names.
-    const ALL: [Prefetch; 3] = [Prefetch::L1, Prefetch::L2, Prefetch::L2Batch];
+    const ALL: [Prefetch; 4] = [Prefetch::L1, Prefetch::L2, Prefetch::L2Batch, Prefetch::L1L2];
 
     /// Whether a pass of one input asks for its rows ahead. Read one row at a time
     /// (`one_row`, the default): at `l1` only. On the Intel Xeon (`l1`), the default
@@ -80,7 +92,7 @@ impl Prefetch {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn one_input(self, one_row: bool, avx512: bool) -> bool {
         match self {
-            Prefetch::L1 => one_row || !avx512,
+            Prefetch::L1 | Prefetch::L1L2 => one_row || !avx512,
             Prefetch::L2 => !one_row,
             Prefetch::L2Batch => false,
         }
@@ -89,7 +101,8 @@ impl Prefetch {
     /// By measurement (`examples/products_probe.rs`, weights read from memory; the
     /// model's decode steps): the second level on AMD CPUs of family 19h with AVX-512
     /// (Zen 4), the first on family 1Ah and later (Zen 5), the second level for batches
-    /// only on other AMD CPUs (Zen 3 and before), the first elsewhere.
+    /// only on other AMD CPUs (Zen 3 and before), both levels ([`Prefetch::L1L2`]) on
+    /// other x86-64 CPUs (Intel), the first elsewhere (where the kernels prefetch nothing).
     ///
     /// On an AMD EPYC Zen 4, to the second level (2 threads): AVX-512, eight inputs
     /// 17.5-18.1 -> 23.7-24.1 GB/s, one input (which prefetches nothing into the first
@@ -109,7 +122,9 @@ impl Prefetch {
     /// chunk of 8 tokens 19.8-20.1 -> 18.6-19.4 ms, eight sequences' step 19.5-19.7 ->
     /// 18.2-18.6 ms; two threads the same within noise, and with the AVX2 kernels forced
     /// the same within noise.
-    /// On the Intel Xeon, prefetching to the second level was slower or the same.
+    /// On the Intel Xeon, prefetching to the second level instead of the first was slower
+    /// or the same; as well as the first, further ahead, faster ([`Prefetch::L1L2`]).
+    /// The Zen 5 has not run `l1+l2`.
     pub fn default_for_cpu() -> Prefetch {
         #[cfg(target_arch = "x86_64")]
         {
@@ -128,7 +143,7 @@ impl Prefetch {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn default_for(amd: bool, family: u32, avx512: bool) -> Prefetch {
         match (amd, family) {
-            (false, _) => Prefetch::L1,
+            (false, _) => Prefetch::L1L2,
             (true, 0x19) if avx512 => Prefetch::L2,
             (true, f) if f >= 0x1A => Prefetch::L1,
             (true, _) => Prefetch::L2Batch,
@@ -424,7 +439,7 @@ fn group_portable<const N: usize>(w: &[f32], x: &[f32], r: usize, out: &mut [f32
 
 /// Which weights a pass of an x86 kernel asks for ahead of the rows it multiplies, one
 /// cache line (16 floats) of each row per step: `stream`, the line [`x86::PREFETCH_FLOATS`]
-/// on; `next` = (`dist`, `every`, `phase`), on steps `phase`, `phase + every`, ... of
+/// on (and at [`Prefetch::L1L2`] the line [`x86::FAR_FLOATS`] on); `next` = (`dist`, `every`, `phase`), on steps `phase`, `phase + every`, ... of
 /// every row, the line `dist` floats on (the same place in the next tile of rows), so
 /// that the passes over one tile, each taking its share, bring in the next one while they
 /// compute. Never changes a result.
@@ -443,11 +458,17 @@ impl Ahead {
     /// For a pass over tiles of `rows` rows (one: a single sequential stream, as the
     /// one-row kernel and a tile kernel's last rows read) and `inputs` inputs (`avx512`:
     /// by the AVX-512 kernel) at the process's [`prefetch`] level: whether it asks for its
-    /// rows ahead, and whether into the second-level cache.
+    /// rows ahead, and into which cache ([`x86::FIRST`], [`x86::SECOND`], [`x86::BOTH`]).
     #[cfg(target_arch = "x86_64")]
-    fn flags(self, rows: usize, inputs: usize, avx512: bool) -> (bool, bool) {
+    fn flags(self, rows: usize, inputs: usize, avx512: bool) -> (bool, u8) {
         let level = prefetch();
-        (self.stream && (inputs > 1 || level.one_input(rows == 1, avx512)), level != Prefetch::L1)
+        let to = match level {
+            Prefetch::L1 => x86::FIRST,
+            Prefetch::L1L2 if inputs > 1 => x86::BOTH,
+            Prefetch::L1L2 => x86::FIRST,
+            Prefetch::L2 | Prefetch::L2Batch => x86::SECOND,
+        };
+        (self.stream && (inputs > 1 || level.one_input(rows == 1, avx512)), to)
     }
 }
 
@@ -464,6 +485,24 @@ mod x86 {
     /// Measured (default model, a chunk of 8 tokens, 2 threads, Xeon): 256 floats ahead
     /// 1.81 decode steps, 1,024 1.82, 2,048 1.57, 4,096 1.64; none at all 2.19.
     pub(super) const PREFETCH_FLOATS: usize = 2048;
+
+    /// How far ahead (in floats) passes of several inputs at [`super::Prefetch::L1L2`]
+    /// also ask for a row's weights, into the second-level cache. Measured on the Intel
+    /// Xeon (`examples/products_probe.rs`'s shapes, eight inputs from memory, GB/s, one
+    /// thread / two): none 11.1-11.5 / 20.7-22.4, 4,096 12.1-12.6 / 23.4-23.8, 8,192
+    /// 12.4-12.8 / 22.6-23.2; with the first-level requests 512 or 1,024 floats ahead
+    /// instead of 2,048, the same or less. The default model on one thread, in turns
+    /// (medians): a chunk of 8 tokens after 300, `l1` 45.7-47.2 ms, 8,192 42.2-43.5, 4,096
+    /// 44.4-46.6; eight sequences' step at 2,000 tokens 69.4-69.9 ms, 65.5-65.6 and 66.2.
+    /// On two threads neither changed beyond noise (the products are then nearer their
+    /// arithmetic's pace than the memory's).
+    pub(super) const FAR_FLOATS: usize = 8192;
+
+    /// Where a pass's requests ahead go: the first-level cache, the second, or both (the
+    /// first [`PREFETCH_FLOATS`] ahead and the second [`FAR_FLOATS`] ahead).
+    pub(super) const FIRST: u8 = 0;
+    pub(super) const SECOND: u8 = 1;
+    pub(super) const BOTH: u8 = 2;
 
     /// Asks for the line at `p` (never faults), into the second-level cache with `l2`
     /// ([`super::prefetch`]), else into the first.
@@ -496,35 +535,42 @@ mod x86 {
     }
 
     /// The prefetches of one step of the batched loops at column `c` of rows `p`: with
-    /// `STREAM` each row's line [`PREFETCH_FLOATS`] ahead (to the second level with `L2`),
-    /// with `NEXT` the plan's share of the next tile. Which passes of one input ask is
+    /// `STREAM` each row's line [`PREFETCH_FLOATS`] ahead (to the second level with `TO` =
+    /// [`SECOND`]; with [`BOTH`], to the first and the line [`FAR_FLOATS`] ahead to the
+    /// second), with `NEXT` the plan's share of the next tile. Which passes of one input ask is
     /// [`super::Prefetch::one_input`]'s rule (one row at a time on the Xeon needed them;
     /// eight rows at a time with AVX-512 kept up without first-level ones).
     #[inline(always)]
-    fn prefetch_step<const R: usize, const STREAM: bool, const L2: bool, const NEXT: bool>(p: &[*const f32; R], c: usize, plan: Ahead, step: &mut usize) {
+    fn prefetch_step<const R: usize, const STREAM: bool, const TO: u8, const NEXT: bool>(p: &[*const f32; R], c: usize, plan: Ahead, step: &mut usize) {
         if STREAM {
             for pj in p {
-                ahead(pj.wrapping_add(c + PREFETCH_FLOATS), L2);
+                ahead(pj.wrapping_add(c + PREFETCH_FLOATS), TO == SECOND);
+                if TO == BOTH {
+                    ahead(pj.wrapping_add(c + FAR_FLOATS), true);
+                }
             }
         }
         if NEXT {
-            next_tile(p, c, plan, step, L2);
+            next_tile(p, c, plan, step, TO == SECOND);
         }
     }
 
-    /// `$columns::<R, M, STREAM, L2, NEXT>(args)` with the three flags (stream, to the
-    /// second level, the next tile) turned from values into constants: one loop compiled
-    /// per way of prefetching, none of them testing a flag per step.
+    /// `$columns::<R, M, STREAM, TO, NEXT>(args)` with the three flags (stream, which
+    /// cache, the next tile) turned from values into constants: one loop compiled per way
+    /// of prefetching, none of them testing a flag per step (without a stream, [`BOTH`]
+    /// is [`FIRST`]: only the stream asks twice).
     macro_rules! by_flags {
-        ($columns:ident::<$r:ident, $m:ident>($stream:expr, $l2:expr, $next:expr; $($arg:expr),*)) => {
-            match ($stream, $l2, $next) {
-                (false, _, false) => $columns::<$r, $m, false, false, false>($($arg),*),
-                (false, false, true) => $columns::<$r, $m, false, false, true>($($arg),*),
-                (false, true, true) => $columns::<$r, $m, false, true, true>($($arg),*),
-                (true, false, false) => $columns::<$r, $m, true, false, false>($($arg),*),
-                (true, true, false) => $columns::<$r, $m, true, true, false>($($arg),*),
-                (true, false, true) => $columns::<$r, $m, true, false, true>($($arg),*),
-                (true, true, true) => $columns::<$r, $m, true, true, true>($($arg),*),
+        ($columns:ident::<$r:ident, $m:ident>($stream:expr, $to:expr, $next:expr; $($arg:expr),*)) => {
+            match ($stream, $to, $next) {
+                (false, _, false) => $columns::<$r, $m, false, FIRST, false>($($arg),*),
+                (false, SECOND, true) => $columns::<$r, $m, false, SECOND, true>($($arg),*),
+                (false, _, true) => $columns::<$r, $m, false, FIRST, true>($($arg),*),
+                (true, SECOND, false) => $columns::<$r, $m, true, SECOND, false>($($arg),*),
+                (true, BOTH, false) => $columns::<$r, $m, true, BOTH, false>($($arg),*),
+                (true, _, false) => $columns::<$r, $m, true, FIRST, false>($($arg),*),
+                (true, SECOND, true) => $columns::<$r, $m, true, SECOND, true>($($arg),*),
+                (true, BOTH, true) => $columns::<$r, $m, true, BOTH, true>($($arg),*),
+                (true, _, true) => $columns::<$r, $m, true, FIRST, true>($($arg),*),
             }
         };
     }
@@ -583,12 +629,12 @@ mod x86 {
         let xp: [*const f32; M] = std::array::from_fn(|m| xs[m].as_ptr());
         let p: [*const f32; R] = std::array::from_fn(|j| w.as_ptr().add((r + j) * cols));
         let mut acc = [[_mm512_setzero_ps(); M]; R];
-        let (stream, l2) = plan.flags(R, M, true);
+        let (stream, to) = plan.flags(R, M, true);
         // the loop compiled once per way of prefetching, none of them tested per step (the
         // tests and their flags' reloads were a third of the loop's instructions: eight
         // inputs over a matrix in the second-level cache, Zen 5, one thread, 80-81 -> 97
         // G multiply-adds/s; the same with the AVX2 kernel forced, 51-52)
-        by_flags!(columns512::<R, M>(stream, l2, plan.next.is_some(); &p, &xp, body, plan, &mut acc));
+        by_flags!(columns512::<R, M>(stream, to, plan.next.is_some(); &p, &xp, body, plan, &mut acc));
         for j in 0..R {
             for m in 0..M {
                 let mut s = _mm512_reduce_add_ps(acc[j][m]);
@@ -606,7 +652,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     #[inline]
     #[allow(clippy::needless_range_loop)] // register arrays indexed by row and input
-    unsafe fn columns512<const R: usize, const M: usize, const STREAM: bool, const L2: bool, const NEXT: bool>(
+    unsafe fn columns512<const R: usize, const M: usize, const STREAM: bool, const TO: u8, const NEXT: bool>(
         p: &[*const f32; R],
         xp: &[*const f32; M],
         body: usize,
@@ -615,7 +661,7 @@ mod x86 {
     ) {
         let (mut c, mut step) = (0, 0);
         while c < body {
-            prefetch_step::<R, STREAM, L2, NEXT>(p, c, plan, &mut step);
+            prefetch_step::<R, STREAM, TO, NEXT>(p, c, plan, &mut step);
             let wv: [__m512; R] = std::array::from_fn(|j| _mm512_loadu_ps(p[j].add(c)));
             for m in 0..M {
                 let x = _mm512_loadu_ps(xp[m].add(c));
@@ -681,9 +727,9 @@ mod x86 {
         // 50.2-51.5 tok/s, the AVX-512 kernels 52.2; 4 inputs +3 %, 8 the same) on some
         // CPUs; on others (Zen 3) the hardware prefetcher follows one input's rows better
         // alone ([`super::Prefetch::L2Batch`])
-        let (stream, l2) = plan.flags(R, M, false);
+        let (stream, to) = plan.flags(R, M, false);
         let lines = body / 16 * 16;
-        by_flags!(columns256::<R, M>(stream, l2, plan.next.is_some(); &p, &xp, lines, plan, &mut acc));
+        by_flags!(columns256::<R, M>(stream, to, plan.next.is_some(); &p, &xp, lines, plan, &mut acc));
         let mut c = lines;
         while c < body {
             let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(p[j].add(c)));
@@ -711,7 +757,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     #[allow(clippy::needless_range_loop)] // register arrays indexed by row and input
-    unsafe fn columns256<const R: usize, const M: usize, const STREAM: bool, const L2: bool, const NEXT: bool>(
+    unsafe fn columns256<const R: usize, const M: usize, const STREAM: bool, const TO: u8, const NEXT: bool>(
         p: &[*const f32; R],
         xp: &[*const f32; M],
         lines: usize,
@@ -720,7 +766,7 @@ mod x86 {
     ) {
         let (mut c, mut step) = (0, 0);
         while c < lines {
-            prefetch_step::<R, STREAM, L2, NEXT>(p, c, plan, &mut step);
+            prefetch_step::<R, STREAM, TO, NEXT>(p, c, plan, &mut step);
             for half in [c, c + 8] {
                 let wv: [__m256; R] = std::array::from_fn(|j| _mm256_loadu_ps(p[j].add(half)));
                 for m in 0..M {
@@ -763,7 +809,7 @@ mod tests {
             ((true, 0x19, false), Prefetch::L2Batch),
             ((true, 0x19, true), Prefetch::L2),
             ((true, 0x1A, true), Prefetch::L1),
-            ((false, 6, true), Prefetch::L1),
+            ((false, 6, true), Prefetch::L1L2),
             ((true, 0x17, false), Prefetch::L2Batch),
             ((true, 0x1B, false), Prefetch::L1),
         ] {
