@@ -82,12 +82,12 @@ impl Prefetch {
     const ALL: [Prefetch; 4] = [Prefetch::L1, Prefetch::L2, Prefetch::L2Batch, Prefetch::L1L2];
 
     /// Whether a pass of one input asks for its rows ahead. Read one row at a time
-    /// (`one_row`, the default): at `l1` only. On the Intel Xeon (`l1`), the default
+    /// (`one_row`, the default): at `l1` and `l1+l2` only. On the Intel Xeon (then `l1`), the default
     /// model's float32 decode on one thread went from 21.9-23.1 tok/s without to 28.6-29.8
     /// with them (AVX2 forced 24.5-24.6 -> 25.7-26.3), where the second level gave the
     /// same as the first; on the Zen 4 (`l2`) the second level gave the same as none with
     /// AVX-512 and less with AVX2 (43-53 -> 33-38 tok/s). Eight rows at a time: at `l2`,
-    /// and at `l1` with the AVX2 kernel (the AVX-512 kernel, `avx512`, keeps up with the
+    /// and at `l1` / `l1+l2` with the AVX2 kernel (the AVX-512 kernel, `avx512`, keeps up with the
     /// memory without first-level prefetches).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn one_input(self, one_row: bool, avx512: bool) -> bool {
