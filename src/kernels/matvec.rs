@@ -56,14 +56,11 @@ pub enum Prefetch {
     /// the hardware prefetcher.
     L2Batch,
     /// As [`Prefetch::L1`], and passes of several inputs also ask for each line a second
-    /// time, further ahead ([`x86::FAR_FLOATS`]), into the second level: on the Intel
-    /// Xeon (2026-12-06) sixteen first-level miss buffers hold too few lines for the
+    /// time, further ahead, into the second level (the figures: [`x86::FAR_FLOATS`]): on
+    /// the Intel Xeon sixteen first-level miss buffers hold too few lines for the
     /// memory's latency, and requests into the second level take none of them until the
-    /// first-level request comes. Eight inputs there (`examples/products_probe.rs`'s
-    /// shapes, weights from memory): one thread 11.1-11.5 -> 12.4-12.8 GB/s, two threads
-    /// 20.7-22.4 -> 22.6-23.2; one input, one row at a time, gained in that probe
-    /// (13.3-13.5 -> 14.0-14.5 GB/s) but not in the model's decode step, so it keeps
-    /// [`Prefetch::L1`]'s single request.
+    /// first-level request comes. One input reading one row at a time gained in a probe
+    /// but not in the model's decode step, so it keeps [`Prefetch::L1`]'s single request.
     L1L2,
 }
 
@@ -82,13 +79,13 @@ impl Prefetch {
     const ALL: [Prefetch; 4] = [Prefetch::L1, Prefetch::L2, Prefetch::L2Batch, Prefetch::L1L2];
 
     /// Whether a pass of one input asks for its rows ahead. Read one row at a time
-    /// (`one_row`, the default): at `l1` and `l1+l2` only. On the Intel Xeon (then `l1`), the default
-    /// model's float32 decode on one thread went from 21.9-23.1 tok/s without to 28.6-29.8
-    /// with them (AVX2 forced 24.5-24.6 -> 25.7-26.3), where the second level gave the
-    /// same as the first; on the Zen 4 (`l2`) the second level gave the same as none with
-    /// AVX-512 and less with AVX2 (43-53 -> 33-38 tok/s). Eight rows at a time: at `l2`,
-    /// and at `l1` / `l1+l2` with the AVX2 kernel (the AVX-512 kernel, `avx512`, keeps up with the
-    /// memory without first-level prefetches).
+    /// (`one_row`, the default): at `l1` and `l1+l2` only. On the Intel Xeon (then at
+    /// `l1`), the default model's float32 decode on one thread went from 21.9-23.1 tok/s
+    /// without to 28.6-29.8 with them (AVX2 forced 24.5-24.6 -> 25.7-26.3), where the
+    /// second level gave the same as the first; on the Zen 4 (`l2`) the second level gave
+    /// the same as none with AVX-512 and less with AVX2 (43-53 -> 33-38 tok/s). Eight rows
+    /// at a time: at `l2`, and at `l1` / `l1+l2` with the AVX2 kernel (the AVX-512 kernel,
+    /// `avx512`, keeps up with the memory without first-level prefetches).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn one_input(self, one_row: bool, avx512: bool) -> bool {
         match self {
@@ -439,10 +436,11 @@ fn group_portable<const N: usize>(w: &[f32], x: &[f32], r: usize, out: &mut [f32
 
 /// Which weights a pass of an x86 kernel asks for ahead of the rows it multiplies, one
 /// cache line (16 floats) of each row per step: `stream`, the line [`x86::PREFETCH_FLOATS`]
-/// on (and at [`Prefetch::L1L2`] the line [`x86::FAR_FLOATS`] on); `next` = (`dist`, `every`, `phase`), on steps `phase`, `phase + every`, ... of
-/// every row, the line `dist` floats on (the same place in the next tile of rows), so
-/// that the passes over one tile, each taking its share, bring in the next one while they
-/// compute. Never changes a result.
+/// on (and at [`Prefetch::L1L2`] also the line [`x86::FAR_FLOATS`] on); `next` = (`dist`,
+/// `every`, `phase`), on steps `phase`, `phase + every`, ... of every row, the line `dist`
+/// floats on (the same place in the next tile of rows), so that the passes over one tile,
+/// each taking its share, bring in the next one while they compute. Never changes a
+/// result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct Ahead {
@@ -537,8 +535,8 @@ mod x86 {
     /// The prefetches of one step of the batched loops at column `c` of rows `p`: with
     /// `STREAM` each row's line [`PREFETCH_FLOATS`] ahead (to the second level with `TO` =
     /// [`SECOND`]; with [`BOTH`], to the first and the line [`FAR_FLOATS`] ahead to the
-    /// second), with `NEXT` the plan's share of the next tile. Which passes of one input ask is
-    /// [`super::Prefetch::one_input`]'s rule (one row at a time on the Xeon needed them;
+    /// second), with `NEXT` the plan's share of the next tile. Which passes of one input
+    /// ask is [`super::Prefetch::one_input`]'s rule (one row at a time on the Xeon needed them;
     /// eight rows at a time with AVX-512 kept up without first-level ones).
     #[inline(always)]
     fn prefetch_step<const R: usize, const STREAM: bool, const TO: u8, const NEXT: bool>(p: &[*const f32; R], c: usize, plan: Ahead, step: &mut usize) {
