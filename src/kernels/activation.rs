@@ -11,6 +11,22 @@ use crate::kernels::matvec::kernel;
 /// 3e-7, two float32 ulps), 2^n put in the exponent bits.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
+    exp_with::<false>(x)
+}
+
+/// [`exp`]'s steps with each multiply-add fused (`FUSED`, one rounding instead of two) or
+/// not. Fused, for code compiled with FMA only (elsewhere `mul_add` is a library call):
+/// the loop is 14 instructions a vector instead of 22 (the softmax of the attention).
+#[inline(always)]
+pub fn exp_with<const FUSED: bool>(x: f32) -> f32 {
+    #[inline(always)]
+    fn madd<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
+        if FUSED {
+            a.mul_add(b, c)
+        } else {
+            a * b + c
+        }
+    }
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
     const LN2_HI: f32 = 0.693_145_75; // ln 2 split so that n * LN2_HI is exact
     const LN2_LO: f32 = 1.428_606_8e-6;
@@ -18,10 +34,13 @@ pub fn exp(x: f32) -> f32 {
     // a NaN exponent
     #[allow(clippy::manual_clamp)]
     let x = x.max(-87.0).min(88.0);
-    let t = x * std::f32::consts::LOG2_E + MAGIC;
+    let t = madd::<FUSED>(x, std::f32::consts::LOG2_E, MAGIC);
     let n = t - MAGIC;
-    let r = (x - n * LN2_HI) - n * LN2_LO;
-    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let r = madd::<FUSED>(-n, LN2_LO, madd::<FUSED>(-n, LN2_HI, x));
+    let mut p = 1.0 / 720.0;
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = madd::<FUSED>(r, p, c);
+    }
     // n (-126..=127) sits in t's low mantissa bits: integer arithmetic on the bits gives
     // 2^n without a float-to-int conversion (which would not vectorize)
     let exponent = t.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23;
@@ -70,6 +89,17 @@ mod tests {
 
     #[test]
     fn exp_matches_float64() {
+        check_exp(exp);
+    }
+
+    /// The fused steps (here `mul_add` is libm's, correctly rounded as an FMA
+    /// instruction is, so the same numbers) to the same bound.
+    #[test]
+    fn fused_exp_matches_float64() {
+        check_exp(exp_with::<true>);
+    }
+
+    fn check_exp(exp: fn(f32) -> f32) {
         let mut worst = 0f64;
         for i in 0..=400_000 {
             let x = -90.0 + i as f32 * 180.0 / 400_000.0;

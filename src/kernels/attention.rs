@@ -35,7 +35,7 @@ use std::sync::OnceLock;
 use half::slice::HalfFloatSliceExt;
 use half::f16;
 
-use crate::kernels::activation::exp;
+use crate::kernels::activation::exp_with;
 use crate::kernels::kv8::{self, Q8Block, QK};
 use crate::kernels::matvec::kernel;
 use crate::kernels::team::{Shards, Team};
@@ -76,7 +76,13 @@ impl<'a, T: Stored> LayerKv<'a, T> {
     /// Head `h`'s keys and values at `positions`, which lie in one block.
     #[inline]
     fn run(&self, h: usize, positions: std::ops::Range<usize>) -> (&'a [T], &'a [T]) {
-        let (b, at) = (positions.start / self.block_len, positions.start % self.block_len);
+        // a shift and a mask for the cache's blocks (a power of two), not a division: a
+        // decode task asks once per row and block of 16 positions, twice
+        let (b, at) = if self.block_len.is_power_of_two() {
+            (positions.start >> self.block_len.trailing_zeros(), positions.start & (self.block_len - 1))
+        } else {
+            (positions.start / self.block_len, positions.start % self.block_len)
+        };
         debug_assert!(at + positions.len() <= self.block_len);
         let (keys, values) = self.blocks[b];
         let row = self.head_dim / T::PER;
@@ -249,13 +255,29 @@ fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: Ch
     let groups = (TASKS_PER_THREAD * team.threads()).div_ceil(kv_heads * chunks).clamp(1, rows.max(1));
     let per_group = rows.div_ceil(groups);
     let tasks: Vec<OnceLock<Partials>> = (0..groups * kv_heads * chunks).map(|_| OnceLock::new()).collect();
-    // 8-bit keys are scored against the queries rounded to int16: each row's, once
-    let rounded: Vec<kv8::Queries> = if T::as_q8(&[]).is_some() { qs.iter().map(|q| kv8::Queries::new(q, d)).collect() } else { Vec::new() };
+    // 8-bit keys are scored against the queries rounded to int16: each row's query heads
+    // of a KV head by the first task that needs them (not by the caller alone before the
+    // job); a task that finds them not yet set rounds them too rather than wait (a
+    // thread put to sleep on a `get_or_init` made a decode step 10 % slower)
+    let rounded: Vec<OnceLock<kv8::Queries>> = if T::as_q8(&[]).is_some() { (0..rows * kv_heads).map(|_| OnceLock::new()).collect() } else { Vec::new() };
     team.run(tasks.len(), &|t| {
         let (g, h, c) = (t / (kv_heads * chunks), t / chunks % kv_heads, t % chunks);
         let group = g * per_group..((g + 1) * per_group).min(rows);
         let q: Vec<&[f32]> = group.clone().map(|r| &qs[r][h * n_rep * d..(h + 1) * n_rep * d]).collect();
-        let q8: Vec<kv8::QueryHeads<'_>> = rounded.get(group.clone()).unwrap_or_default().iter().map(|q| q.heads(h * n_rep, n_rep)).collect();
+        let q8: Vec<kv8::QueryHeads<'_>> = if rounded.is_empty() {
+            Vec::new()
+        } else {
+            group
+                .clone()
+                .map(|r| {
+                    let slot = &rounded[r * kv_heads + h];
+                    if slot.get().is_none() {
+                        let _ = slot.set(kv8::Queries::new(q[r - group.start], d));
+                    }
+                    slot.get().expect("set above").heads(0, n_rep)
+                })
+                .collect()
+        };
         let spans: Vec<std::ops::Range<usize>> =
             group.clone().map(|r| if c < chunks_of(r) { c * CHUNK..((c + 1) * CHUNK).min(kvs[r].len) } else { 0..0 }).collect();
         // (a last group may be empty: rows are split into groups of per_group)
@@ -517,9 +539,9 @@ macro_rules! score_q8_16 {
             let (groups, keys) = (d / QK, block as *const __m512i);
             let mut total = [_mm512_setzero_ps(); G];
             for g in 0..groups {
-                let mut acc = [[_mm512_setzero_si512(); 2]; G];
-                for j in (0..QK / 2).step_by(2) {
-                    for b in 0..2 {
+                let mut acc = [[_mm512_setzero_si512(); 4]; G];
+                for j in (0..QK / 2).step_by(4) {
+                    for b in 0..4 {
                         let k = _mm512_loadu_si512(keys.add(g * QK / 2 + j + b) as *const _);
                         for h in 0..G {
                             let pair = _mm512_set1_epi32(*q.pairs.get_unchecked((r0 + h) * d / 2 + g * QK / 2 + j + b));
@@ -529,7 +551,7 @@ macro_rules! score_q8_16 {
                 }
                 let s = _mm512_loadu_ps(block.add(d / 2 * LANES + g * LANES));
                 for h in 0..G {
-                    let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[h][0], acc[h][1]));
+                    let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(acc[h][0], acc[h][1]), _mm512_add_epi32(acc[h][2], acc[h][3])));
                     let w = _mm512_mul_ps(s, _mm512_set1_ps(*q.scales.get_unchecked((r0 + h) * groups + g)));
                     total[h] = if g == 0 { _mm512_mul_ps(sum, w) } else { _mm512_fmadd_ps(sum, w, total[h]) };
                 }
@@ -547,11 +569,17 @@ macro_rules! score_q8_16 {
         }
     };
 }
+/// One `vpdpwssd`, written as inline assembly rather than `_mm512_dpwssd_epi32`: LLVM's
+/// machine combiner splits that intrinsic into `vpmaddwd` + `vpaddd` (the same sums) for
+/// every CPU not tuned as having a fast one (only AMD Zen 4 and later are;
+/// llvm-project issue 84182), two instructions where one runs at the same rate.
 #[cfg(target_arch = "x86_64")]
 macro_rules! dot_vnni {
-    ($acc:expr, $k:expr, $q:expr) => {
-        _mm512_dpwssd_epi32($acc, $k, $q)
-    };
+    ($acc:expr, $k:expr, $q:expr) => {{
+        let mut acc = $acc;
+        std::arch::asm!("vpdpwssd {acc}, {k}, {q}", acc = inout(zmm_reg) acc, k = in(zmm_reg) $k, q = in(zmm_reg) $q, options(pure, nomem, nostack, preserves_flags));
+        acc
+    }};
 }
 #[cfg(target_arch = "x86_64")]
 macro_rules! dot_bw {
@@ -657,7 +685,8 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], q8: &[kv8::QueryHeads<'_
         let mut parts = Partials::new(spans.len() * n_rep, d);
         for (r, (s, &o)) in spans.iter().zip(&offsets).enumerate().filter(|(_, (s, _))| !s.is_empty()) {
             let e = r * n_rep..(r + 1) * n_rep;
-            exponentiate(&mut scores[o..o + n_rep * s.len()], s.len(), &mut parts.max[e.clone()], &mut parts.sum[e]);
+            // (every instruction set the task is compiled for has FMA)
+            exponentiate::<true>(&mut scores[o..o + n_rep * s.len()], s.len(), &mut parts.max[e.clone()], &mut parts.sum[e]);
         }
         for i0 in (0..longest).step_by(lanes) {
             let (mut held, mut v) = (None, std::ptr::null());
@@ -1106,7 +1135,7 @@ fn f32_scores<'k>(q: &[f32], keys: impl Iterator<Item = &'k [f32]>, n: usize, d:
 /// exponentiated, and its values (float32 rows of `d`) added up with those weights.
 #[inline(always)]
 fn weigh<'v>(mut scores: Vec<f32>, values: impl Iterator<Item = &'v [f32]>, n: usize, d: usize, (max, sum, acc): RowParts<'_>) {
-    exponentiate(&mut scores, n, max, sum);
+    exponentiate::<false>(&mut scores, n, max, sum);
     for (i, v) in values.enumerate() {
         for (r, acc) in acc.chunks_exact_mut(d).enumerate() {
             axpy(acc, scores[r * n + i], v);
@@ -1224,24 +1253,24 @@ fn causal_block(
 /// positions) 0; returns the sum. On the best instruction set the CPU has.
 fn softmax_prefix(s: &mut [f32], visible: usize) -> f32 {
     #[inline(always)]
-    fn body(s: &mut [f32], visible: usize) -> f32 {
+    fn body<const FUSED: bool>(s: &mut [f32], visible: usize) -> f32 {
         let (seen, masked) = s.split_at_mut(visible);
         masked.fill(0.0);
         let max = max8(seen);
         for x in seen.iter_mut() {
-            *x = exp(*x - max);
+            *x = exp_with::<FUSED>(*x - max);
         }
         sum8(seen)
     }
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,fma")]
     unsafe fn avx512(s: &mut [f32], visible: usize) -> f32 {
-        body(s, visible)
+        body::<true>(s, visible)
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn avx2(s: &mut [f32], visible: usize) -> f32 {
-        body(s, visible)
+        body::<true>(s, visible)
     }
     match kernel() {
         // SAFETY: the CPU has the instruction set (checked at run time)
@@ -1249,20 +1278,20 @@ fn softmax_prefix(s: &mut [f32], visible: usize) -> f32 {
         crate::kernels::matvec::Kernel::Avx512 => unsafe { avx512(s, visible) },
         #[cfg(target_arch = "x86_64")]
         crate::kernels::matvec::Kernel::Avx2 => unsafe { avx2(s, visible) },
-        _ => body(s, visible),
+        _ => body::<false>(s, visible),
     }
 }
 
 /// Turns each query head's `n` scores into e^(score - max) in place; each head's maximum
-/// and sum into `maxima` and `sums`.
+/// and sum into `maxima` and `sums`. `FUSED`: [`exp_with`]'s, for code compiled with FMA.
 #[inline(always)]
-fn exponentiate(scores: &mut [f32], n: usize, maxima: &mut [f32], sums: &mut [f32]) {
+fn exponentiate<const FUSED: bool>(scores: &mut [f32], n: usize, maxima: &mut [f32], sums: &mut [f32]) {
     // plain loops: a closure (an iterator adapter's) would be compiled apart from the
     // instruction-set version this is inlined into, without its SIMD
     for ((s, max), sum) in scores.chunks_exact_mut(n).zip(maxima.iter_mut()).zip(sums.iter_mut()) {
         let m = max8(s);
         for x in s.iter_mut() {
-            *x = exp(*x - m);
+            *x = exp_with::<FUSED>(*x - m);
         }
         (*max, *sum) = (m, sum8(s));
     }
