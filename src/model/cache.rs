@@ -1,9 +1,9 @@
 //! The KV cache the native engine owns.
 //!
 //! Keys and values are stored per layer before GQA expansion, in blocks of
-//! [`BLOCK_LEN`] positions: each block holds, for every layer, (1, kv_heads, BLOCK_LEN,
-//! head_dim) keys and values, and a cache is a table of references to its blocks (position
-//! `p` lives in block `p / BLOCK_LEN`). New positions are written in place; attention
+//! [`BLOCK_LEN`] positions: each block holds the keys of every layer as one (num_layers,
+//! kv_heads, BLOCK_LEN, head_dim) tensor and the values as another, and a cache is a table
+//! of references to its blocks (position `p` lives in block `p / BLOCK_LEN`). New positions are written in place; attention
 //! reads the blocks through the table ([`crate::kernels::attention::LayerKv`]), so no step copies
 //! the cache.
 //!
@@ -81,28 +81,37 @@ impl CacheLayout {
     }
 }
 
+/// A block's keys (or values) of every layer are one tensor, (num_layers, kv_heads,
+/// BLOCK_LEN, row length), layer `l` at `narrow(0, l, 1)`. A step takes each block's
+/// storage lock once per layer, on the caller while the other threads wait: one lock per
+/// block is met again at every layer, where a tensor per layer made each lock a few cache
+/// lines met once a step (4 % of a quantized decode step at 2,000 positions, `perf`).
 struct Block {
-    keys: Vec<Tensor>,
-    values: Vec<Tensor>,
+    keys: Tensor,
+    values: Tensor,
     frontier: Mutex<usize>,
 }
 
 impl Block {
     fn new(layout: &CacheLayout) -> Result<Self> {
-        let shape = (1, layout.kv_heads, BLOCK_LEN, layout.row_len());
-        let mut keys = Vec::with_capacity(layout.num_layers);
-        let mut values = Vec::with_capacity(layout.num_layers);
-        for _ in 0..layout.num_layers {
-            keys.push(Tensor::zeros(shape, layout.dtype, &layout.device)?);
-            values.push(Tensor::zeros(shape, layout.dtype, &layout.device)?);
-        }
-        Ok(Self { keys, values, frontier: Mutex::new(0) })
+        let shape = (layout.num_layers, layout.kv_heads, BLOCK_LEN, layout.row_len());
+        let zeros = || Tensor::zeros(shape, layout.dtype, &layout.device);
+        Ok(Self { keys: zeros()?, values: zeros()?, frontier: Mutex::new(0) })
     }
 
     /// A private copy (every position: the ones past the holder's length are never read).
     fn copy(&self) -> Result<Self> {
-        let copy = |ts: &[Tensor]| ts.iter().map(Tensor::copy).collect::<candle_core::Result<Vec<_>>>();
-        Ok(Self { keys: copy(&self.keys)?, values: copy(&self.values)?, frontier: Mutex::new(0) })
+        Ok(Self { keys: self.keys.copy()?, values: self.values.copy()?, frontier: Mutex::new(0) })
+    }
+
+    /// `layer`'s keys and values, (1, kv_heads, BLOCK_LEN, row length) views.
+    fn layer(&self, layer: usize) -> Result<(Tensor, Tensor)> {
+        Ok((self.keys.narrow(0, layer, 1)?, self.values.narrow(0, layer, 1)?))
+    }
+
+    /// Read locks on the storage of the keys and values (every layer's).
+    fn lock(&self) -> [Locked<'_>; 2] {
+        [self.keys.storage_and_layout(), self.values.storage_and_layout()]
     }
 
     /// Lets a holder of `start` positions write up to position `end`: true if it may write
@@ -129,19 +138,60 @@ pub struct KvCache {
 
 /// Each block's keys and values as slices of its CPU storage (None elsewhere).
 #[allow(clippy::type_complexity)]
-fn slices<'g, T: candle_core::WithDType>(guards: &'g [[Locked<'g>; 2]]) -> Result<Option<Vec<(&'g [T], &'g [T])>>> {
-    let mut out = Vec::with_capacity(guards.len());
-    for [(ks, kl), (vs, vl)] in guards {
-        let (Storage::Cpu(k), Storage::Cpu(v)) = (&**ks, &**vs) else { return Ok(None) };
-        out.push((&k.as_slice::<T>()?[kl.start_offset()..], &v.as_slice::<T>()?[vl.start_offset()..]));
-    }
-    Ok(Some(out))
+fn slices<'g, T: candle_core::WithDType>(guards: &'g [[Locked<'g>; 2]], layer: usize) -> Result<Option<Vec<(&'g [T], &'g [T])>>> {
+    guards.iter().map(|g| slice_pair::<T>(g, layer)).collect::<Result<Option<Vec<_>>>>()
+}
+
+/// One block's keys and values of `layer` as slices of its CPU storage (None elsewhere).
+#[allow(clippy::type_complexity)]
+fn slice_pair<'g, T: candle_core::WithDType>([(ks, kl), (vs, vl)]: &'g [Locked<'g>; 2], layer: usize) -> Result<Option<(&'g [T], &'g [T])>> {
+    let (Storage::Cpu(k), Storage::Cpu(v)) = (&**ks, &**vs) else { return Ok(None) };
+    // (every layer's part of the block is the same size, and the layout contiguous)
+    let part = kl.shape().elem_count() / kl.dims()[0];
+    let of = |s: &'g [T], l: &candle_core::Layout| &s[l.start_offset() + layer * part..][..part];
+    Ok(Some((of(k.as_slice::<T>()?, kl), of(v.as_slice::<T>()?, vl))))
 }
 
 /// [`slices`] of the 8-bit cache's bytes, read as its blocks.
 #[allow(clippy::type_complexity)]
-fn q8_slices<'g>(guards: &'g [[Locked<'g>; 2]]) -> Result<Option<Vec<(&'g [Q8Block], &'g [Q8Block])>>> {
-    Ok(slices::<u8>(guards)?.map(|blocks| blocks.into_iter().map(|(k, v)| (kv8::as_blocks(k), kv8::as_blocks(v))).collect()))
+fn q8_slices<'g>(guards: &'g [[Locked<'g>; 2]], layer: usize) -> Result<Option<Vec<(&'g [Q8Block], &'g [Q8Block])>>> {
+    guards.iter().map(|g| q8_pair(g, layer)).collect::<Result<Option<Vec<_>>>>()
+}
+
+/// [`slice_pair`] of the 8-bit cache's bytes, read as its blocks.
+#[allow(clippy::type_complexity)]
+fn q8_pair<'g>(guard: &'g [Locked<'g>; 2], layer: usize) -> Result<Option<(&'g [Q8Block], &'g [Q8Block])>> {
+    Ok(slice_pair::<u8>(guard, layer)?.map(|(k, v)| (kv8::as_blocks(k), kv8::as_blocks(v))))
+}
+
+/// Read locks on the storage of the blocks of row r's first `lens[r]` positions in
+/// `caches[r]`, each block locked once however many rows read it (forks of one prompt
+/// share their blocks, the rows of one chunk their cache); and each row's blocks as
+/// indices into them.
+fn lock_shared<'g>(caches: &[&'g KvCache], lens: &[usize]) -> (Vec<[Locked<'g>; 2]>, Vec<Vec<usize>>) {
+    let mut locked = Vec::new();
+    // the distinct blocks met at each block index (a block has one index: its positions),
+    // each with its place in `locked`
+    let mut met: Vec<Vec<(*const Block, usize)>> = Vec::new();
+    let mut tables = Vec::with_capacity(caches.len());
+    for (cache, &len) in caches.iter().zip(lens) {
+        let blocks = &cache.blocks[..len.div_ceil(BLOCK_LEN)];
+        met.resize_with(met.len().max(blocks.len()), Vec::new);
+        let mut table = Vec::with_capacity(blocks.len());
+        for (b, met) in blocks.iter().zip(met.iter_mut()) {
+            let at = match met.iter().find(|(p, _)| *p == Arc::as_ptr(b)) {
+                Some(&(_, at)) => at,
+                None => {
+                    locked.push(b.lock());
+                    met.push((Arc::as_ptr(b), locked.len() - 1));
+                    locked.len() - 1
+                }
+            };
+            table.push(at);
+        }
+        tables.push(table);
+    }
+    (locked, tables)
 }
 
 /// Attention of several new positions at once: row r's queries `qs[r]` (heads, head_dim)
@@ -153,18 +203,30 @@ pub(crate) fn attend_rows(caches: &[&KvCache], layer: usize, qs: &[&[f32]], lens
     if caches.iter().any(|c| !c.layout.device.is_cpu() || !matches!(c.layout.dtype, DType::F32 | DType::F16 | Q8_0)) {
         return Ok(None);
     }
-    let guards: Vec<_> = caches.iter().zip(lens).map(|(c, &len)| c.guards(layer, len)).collect();
+    let (locked, tables) = lock_shared(caches, lens);
     let mut out = vec![Vec::new(); caches.len()];
     macro_rules! group {
-        ($dtype:pat, $t:ty, $slices:expr) => {{
+        ($dtype:pat, $t:ty, $pair:expr) => {{
             let rows: Vec<usize> = (0..caches.len()).filter(|&r| matches!(caches[r].layout.dtype, $dtype)).collect();
-            let mut kvs = Vec::with_capacity(rows.len());
-            for &r in &rows {
-                let Some(blocks) = $slices(&guards[r])? else { return Ok(None) };
-                let layout = &caches[r].layout;
-                kvs.push(LayerKv { blocks, block_len: BLOCK_LEN, kv_heads: layout.kv_heads, len: lens[r], head_dim: layout.head_dim });
-            }
             if !rows.is_empty() {
+                // each locked block's slices, made once for every row that reads it
+                let mut pairs: Vec<Option<(&[$t], &[$t])>> = vec![None; locked.len()];
+                let mut kvs = Vec::with_capacity(rows.len());
+                for &r in &rows {
+                    let mut blocks = Vec::with_capacity(tables[r].len());
+                    for &at in &tables[r] {
+                        let pair = match pairs[at] {
+                            Some(pair) => pair,
+                            None => {
+                                let Some(pair) = $pair(&locked[at], layer)? else { return Ok(None) };
+                                *pairs[at].insert(pair)
+                            }
+                        };
+                        blocks.push(pair);
+                    }
+                    let layout = &caches[r].layout;
+                    kvs.push(LayerKv { blocks, block_len: BLOCK_LEN, kv_heads: layout.kv_heads, len: lens[r], head_dim: layout.head_dim });
+                }
                 let refs: Vec<&LayerKv<'_, $t>> = kvs.iter().collect();
                 let row_qs: Vec<&[f32]> = rows.iter().map(|&r| qs[r]).collect();
                 for (&r, y) in rows.iter().zip(decode_attention_rows(&row_qs, &refs)) {
@@ -173,9 +235,9 @@ pub(crate) fn attend_rows(caches: &[&KvCache], layer: usize, qs: &[&[f32]], lens
             }
         }};
     }
-    group!(DType::F32, f32, slices::<f32>);
-    group!(DType::F16, half::f16, slices::<half::f16>);
-    group!(Q8_0, Q8Block, q8_slices);
+    group!(DType::F32, f32, slice_pair::<f32>);
+    group!(DType::F16, half::f16, slice_pair::<half::f16>);
+    group!(Q8_0, Q8Block, q8_pair);
     Ok(Some(out))
 }
 
@@ -350,8 +412,9 @@ impl KvCache {
                 let floats = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?) };
                 self.write_run(layer, p, m, &floats(&k)?, &floats(&v)?)?;
             } else {
-                block.keys[layer].slice_set(&k.to_dtype(dtype)?, 2, at)?;
-                block.values[layer].slice_set(&v.to_dtype(dtype)?, 2, at)?;
+                let (keys, values) = block.layer(layer)?;
+                keys.slice_set(&k.to_dtype(dtype)?, 2, at)?;
+                values.slice_set(&v.to_dtype(dtype)?, 2, at)?;
             }
             done += m;
         }
@@ -371,8 +434,8 @@ impl KvCache {
         debug_assert!(p >= self.len());
         let block = &self.blocks[p / BLOCK_LEN];
         let (heads, d, row) = (self.layout.kv_heads, self.layout.head_dim, self.layout.row_len());
-        for (t, data) in [(&block.keys[layer], k), (&block.values[layer], v)] {
-            t.inplace_op1(&WritePosition { data, pos: p % BLOCK_LEN, count, capacity: BLOCK_LEN, heads, head_dim: d, row })?;
+        for (t, data) in [(&block.keys, k), (&block.values, v)] {
+            t.inplace_op1(&WritePosition { data, layer, pos: p % BLOCK_LEN, count, capacity: BLOCK_LEN, heads, head_dim: d, row })?;
         }
         Ok(())
     }
@@ -385,8 +448,9 @@ impl KvCache {
             let t = Tensor::zeros((1, self.layout.kv_heads, 0, self.layout.row_len()), self.layout.dtype, &self.layout.device)?;
             return Ok((t.clone(), t));
         }
-        let join = |ts: Vec<&Tensor>| -> Result<Tensor> { Ok(Tensor::cat(&ts, 2)?.narrow(2, 0, len)?) };
-        Ok((join(used.iter().map(|b| &b.keys[layer]).collect())?, join(used.iter().map(|b| &b.values[layer]).collect())?))
+        let (keys, values): (Vec<Tensor>, Vec<Tensor>) = used.iter().map(|b| b.layer(layer)).collect::<Result<Vec<_>>>()?.into_iter().unzip();
+        let join = |ts: Vec<Tensor>| -> Result<Tensor> { Ok(Tensor::cat(&ts, 2)?.narrow(2, 0, len)?) };
+        Ok((join(keys)?, join(values)?))
     }
 
     /// Causal attention of `seq` new positions' queries `q` (heads, seq, head_dim), the
@@ -407,20 +471,20 @@ impl KvCache {
         if !self.layout.device.is_cpu() {
             return Ok(None);
         }
-        let guards = self.guards(layer, len);
+        let guards = self.guards(len);
         let (kv_heads, head_dim) = (self.layout.kv_heads, self.layout.head_dim);
         Ok(match self.layout.dtype {
-            DType::F32 => slices::<f32>(&guards)?.map(|blocks| f(Kv::F32(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
-            DType::F16 => slices::<half::f16>(&guards)?.map(|blocks| f(Kv::F16(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
-            Q8_0 => q8_slices(&guards)?.map(|blocks| f(Kv::Q8(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
+            DType::F32 => slices::<f32>(&guards, layer)?.map(|blocks| f(Kv::F32(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
+            DType::F16 => slices::<half::f16>(&guards, layer)?.map(|blocks| f(Kv::F16(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
+            Q8_0 => q8_slices(&guards, layer)?.map(|blocks| f(Kv::Q8(&LayerKv { blocks, block_len: BLOCK_LEN, kv_heads, len, head_dim }))),
             _ => None,
         })
     }
 
-    /// Read locks on the storage of `layer`'s keys and values in the blocks of the first
-    /// `len` positions.
-    fn guards(&self, layer: usize, len: usize) -> Vec<[Locked<'_>; 2]> {
-        self.blocks[..len.div_ceil(BLOCK_LEN)].iter().map(|b| [b.keys[layer].storage_and_layout(), b.values[layer].storage_and_layout()]).collect()
+    /// Read locks on the storage of the keys and values in the blocks of the first `len`
+    /// positions.
+    fn guards(&self, len: usize) -> Vec<[Locked<'_>; 2]> {
+        self.blocks[..len.div_ceil(BLOCK_LEN)].iter().map(|b| b.lock()).collect()
     }
 
     /// Records the ids whose keys and values were just written.
@@ -455,11 +519,12 @@ impl KvCache {
     }
 }
 
-/// Copies `count` positions' heads, (heads, count, head_dim) floats, into a (1, heads,
-/// capacity, row) float32 or float16 buffer (row = head_dim) from position `pos`, or
-/// rounds them into an 8-bit one (row = the bytes of a head's blocks).
+/// Copies `count` positions' heads, (heads, count, head_dim) floats, into `layer` of a
+/// (layers, heads, capacity, row) float32 or float16 buffer (row = head_dim) from position
+/// `pos`, or rounds them into an 8-bit one (row = the bytes of a head's blocks).
 struct WritePosition<'a> {
     data: &'a [f32],
+    layer: usize,
     pos: usize,
     count: usize,
     capacity: usize,
@@ -476,10 +541,11 @@ impl candle_core::InplaceOp1 for WritePosition<'_> {
     fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<()> {
         let (d, row) = (self.head_dim, self.row);
         let n = self.count;
-        if self.data.len() != self.heads * n * d || self.pos + n > self.capacity || layout.dims() != [1, self.heads, self.capacity, row] {
-            candle_core::bail!("cache write of {} floats at position {} does not fit {:?}", self.data.len(), self.pos, layout.dims());
+        let dims = layout.dims();
+        if self.data.len() != self.heads * n * d || self.pos + n > self.capacity || dims.len() != 4 || self.layer >= dims[0] || dims[1..] != [self.heads, self.capacity, row] {
+            candle_core::bail!("cache write of {} floats at layer {}, position {} does not fit {dims:?}", self.data.len(), self.layer, self.pos);
         }
-        let start = layout.start_offset();
+        let start = layout.start_offset() + self.layer * self.heads * self.capacity * row;
         for (r, src) in self.data.chunks_exact(d).enumerate() {
             let (h, i) = (r / n, r % n);
             let at = start + (h * self.capacity + self.pos + i) * row;
