@@ -82,7 +82,13 @@ impl Llama {
         }
         let mut out = vec![Vec::new(); ids.len()];
         for (&r, logits) in wanted.iter().zip(logits) {
-            out[rows[r].0].extend_from_slice(&logits);
+            // a sequence's first row of logits moved, not copied
+            let o = &mut out[rows[r].0];
+            if o.is_empty() {
+                *o = logits;
+            } else {
+                o.extend_from_slice(&logits);
+            }
         }
         Ok(out)
     }
@@ -111,7 +117,8 @@ impl Llama {
                 xn
             })
             .collect();
-        let mut logits = vec![vec![0f32; c.vocab_size]; normed.len()];
+        // each zeroed by the allocator (`vec![row; n]` would copy a zeroed row n - 1 times)
+        let mut logits: Vec<Vec<f32>> = normed.iter().map(|_| vec![0f32; c.vocab_size]).collect();
         products(team, &view(&self.lm_head)?, &prepared(team, &self.lm_head, &normed), &mut logits, false);
         Ok(logits)
     }
