@@ -257,8 +257,8 @@ fn attend_rows_with<T: Stored>(qs: &[&[f32]], kvs: &[&LayerKv<'_, T>], chunk: Ch
     let tasks: Vec<OnceLock<Partials>> = (0..groups * kv_heads * chunks).map(|_| OnceLock::new()).collect();
     // 8-bit keys are scored against the queries rounded to int16: each row's query heads
     // of a KV head by the first task that needs them (not by the caller alone before the
-    // job); a task that finds them not yet set rounds them too rather than wait (a
-    // thread put to sleep on a `get_or_init` made a decode step 10 % slower)
+    // job); a task that finds them not yet set rounds them too rather than wait for
+    // another's (`get_or_init` would put it to sleep on a futex until woken)
     let rounded: Vec<OnceLock<kv8::Queries>> = if T::as_q8(&[]).is_some() { (0..rows * kv_heads).map(|_| OnceLock::new()).collect() } else { Vec::new() };
     team.run(tasks.len(), &|t| {
         let (g, h, c) = (t / (kv_heads * chunks), t / chunks % kv_heads, t % chunks);
