@@ -570,9 +570,10 @@ macro_rules! score_q8_16 {
     };
 }
 /// One `vpdpwssd`, written as inline assembly rather than `_mm512_dpwssd_epi32`: LLVM's
-/// machine combiner splits that intrinsic into `vpmaddwd` + `vpaddd` (the same sums) for
-/// every CPU not tuned as having a fast one (only AMD Zen 4 and later are;
-/// llvm-project issue 84182), two instructions where one runs at the same rate.
+/// machine combiner splits that intrinsic into `vpmaddwd` + `vpaddd` (the same sums)
+/// unless the target CPU is tuned as having a fast one, which the generic x86-64 target
+/// kvcandle is built for is not (llvm-project issue 84182): two instructions where one
+/// runs at the same rate.
 #[cfg(target_arch = "x86_64")]
 macro_rules! dot_vnni {
     ($acc:expr, $k:expr, $q:expr) => {{
