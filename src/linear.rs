@@ -145,9 +145,24 @@ impl Linear {
         }
     }
 
-    /// The input vector `x` prepared once for every row range of this layer.
-    pub fn prepare<'x>(&self, x: &'x [f32]) -> Input<'x> {
-        Input { x, q: self.needs_q8().then(|| QMatrix::prepare(x)) }
+    /// The input vector `x` prepared once for every row range of this layer, its int8 form
+    /// (where the layer has quantized rows) made in `slot`.
+    pub fn prepare<'x>(&self, x: &'x [f32], slot: &'x mut QInput) -> Input<'x> {
+        self.fill(x, slot);
+        self.input(x, slot)
+    }
+
+    /// [`Linear::prepare`] in two steps, for inputs prepared by other threads: `slot` made
+    /// the prepared form of `x` where this layer has quantized rows (else left as it is) ...
+    pub fn fill(&self, x: &[f32], slot: &mut QInput) {
+        if self.needs_q8() {
+            slot.fill(x);
+        }
+    }
+
+    /// ... and the input of `x` with `slot` as [`Linear::fill`] left it for `x`.
+    pub fn input<'x>(&self, x: &'x [f32], slot: &'x QInput) -> Input<'x> {
+        Input { x, q: self.needs_q8().then_some(slot) }
     }
 
     /// The product of the rows of `input` ((rows, in_features) row-major float32) with this
@@ -243,7 +258,7 @@ impl Module for Linear {
 /// An input vector and, for quantized rows, its int8 form.
 pub struct Input<'x> {
     x: &'x [f32],
-    q: Option<QInput>,
+    q: Option<&'x QInput>,
 }
 
 /// A layer's weights borrowed for a decode step (the storage stays read-locked).
@@ -281,7 +296,7 @@ impl View<'_> {
                 let w = &s.as_slice::<f32>().expect("checked in Linear::view")[*start..start + rows * cols];
                 matvec::kernel().mul_rows(w, input.x, first, out);
             }
-            View::Quantized(q) => q.mul_rows(input.q.as_ref().expect("prepared for quantized rows"), first, out),
+            View::Quantized(q) => q.mul_rows(input.q.expect("prepared for quantized rows"), first, out),
             View::Stack(parts) => {
                 let end = first + out.len();
                 for (start, p) in parts {
@@ -308,7 +323,7 @@ impl View<'_> {
                 matvec::kernel().mul_rows_batch(w, &xs, first, outs);
             }
             View::Quantized(q) => {
-                let prepared: Vec<&QInput> = inputs.iter().map(|i| i.q.as_ref().expect("prepared for quantized rows")).collect();
+                let prepared: Vec<&QInput> = inputs.iter().map(|i| i.q.expect("prepared for quantized rows")).collect();
                 q.mul_rows_batch(&prepared, first, outs);
             }
             View::Stack(parts) => {
@@ -488,7 +503,8 @@ mod tests {
         assert!(matches!(stack, Linear::Stack(_)));
         assert_eq!(stack.out_features(), 12);
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 - 30.0) / 17.0).collect();
-        let input = stack.prepare(&x);
+        let mut slot = QInput::default();
+        let input = stack.prepare(&x, &mut slot);
         let view = stack.view().unwrap();
         let mut whole = vec![0f32; 12];
         view.mul_rows(&input, 0, &mut whole);

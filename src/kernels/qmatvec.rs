@@ -165,22 +165,57 @@ impl QMatrix {
     /// [`QMatrix::prepare`] with or without the per-lane forms the AVX-512 kernels read
     /// (the tests run both kernels on one CPU).
     fn prepare_for(x: &[f32], vnni: bool) -> QInput {
-        let q8 = if simd() { Some(quantize_q8(x)) } else { None };
+        let mut input = QInput::default();
+        input.fill_for(x, vnni);
+        input
+    }
+}
+
+impl QInput {
+    /// This input made [`QMatrix::prepare`]'s form of `x` in place, its buffers reused (a
+    /// step of many rows prepares every row's input to each of a layer's four products
+    /// again at every layer: with a new input each time, 7 allocations a row, freed by
+    /// another thread than the one that made them).
+    pub fn fill(&mut self, x: &[f32]) {
+        self.fill_for(x, has_vnni())
+    }
+
+    fn fill_for(&mut self, x: &[f32], vnni: bool) {
+        self.x.clear();
+        self.x.extend_from_slice(x);
+        let q8 = if simd() {
+            let (mut q, mut d) = self.q8.take().unwrap_or_default();
+            quantize_q8_into(x, &mut q, &mut d);
+            Some((q, d))
+        } else {
+            None
+        };
         // With int8 activations, the minimums' terms take the sums of the activations as
         // the integer products see them (int8 times scale), as llama.cpp's Q8_1 does: each
         // weight then meets the same rounded activation in both terms, and the rounding
         // enters the product through the weight's value (centred), not through its
         // unsigned integer (0..63, all one sign), which would add up the rounding errors.
-        let seen: Vec<f32> = match &q8 {
-            Some((q, d)) => q.iter().enumerate().map(|(i, &v)| v as f32 * d[i / BLOCK]).collect(),
-            None => x.to_vec(),
+        self.half_sums.clear();
+        match &q8 {
+            Some((q, d)) => self.half_sums.extend(q.chunks(BLOCK / 2).enumerate().map(|(i, half)| half.iter().map(|&v| v as f32 * d[i / 2]).sum::<f32>())),
+            None => self.half_sums.extend(x.chunks(BLOCK / 2).map(|half| half.iter().sum::<f32>())),
+        }
+        self.block_sums.clear();
+        self.block_sums.extend(self.half_sums.chunks(2).map(|p| p.iter().sum::<f32>()));
+        let mut starts = self.starts.take().unwrap_or_default();
+        self.starts = match &q8 {
+            Some((q, _)) if vnni => {
+                starts.clear();
+                starts.extend(self::starts(q));
+                Some(starts)
+            }
+            _ => None,
         };
-        let half_sums: Vec<f32> = seen.chunks(BLOCK / 2).map(|b| b.iter().sum()).collect();
-        let block_sums = half_sums.chunks(2).map(|p| p.iter().sum()).collect();
-        let starts = q8.as_ref().filter(|_| vnni).map(|(q, _)| starts(q));
-        QInput { x: x.to_vec(), half_sums, block_sums, q8, starts }
+        self.q8 = q8;
     }
+}
 
+impl QMatrix {
     /// Bytes of values of one row (for kept blocks: of its whole blocks).
     fn row_bytes(&self) -> usize {
         match self.kind {
@@ -359,6 +394,7 @@ impl QMatrix {
 /// One input vector prepared for [`QMatrix::mul_rows`]: the floats, their sums per 16 values
 /// (the K-quants' minimums apply per 16) and, when the integer kernels run, their int8
 /// quantization (the sums are then those of the quantized activations).
+#[derive(Clone, Default)]
 pub struct QInput {
     x: Vec<f32>,
     half_sums: Vec<f32>,
@@ -376,14 +412,15 @@ pub struct QInput {
 /// the AVX-512 kernels run, the Q8_0 kernel's byte products start from it (its signed
 /// weights made unsigned by adding 128) and so end exactly at the signed products' sum.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn starts(q: &[i8]) -> Vec<i32> {
-    q.chunks(BLOCK).map(|block| -128 * block.iter().map(|&v| v as i32).sum::<i32>()).collect()
+fn starts(q: &[i8]) -> impl Iterator<Item = i32> + '_ {
+    q.chunks(BLOCK).map(|block| -128 * block.iter().map(|&v| v as i32).sum::<i32>())
 }
 
-/// Activations as int8 per 32-value block: values and one float scale per block.
-fn quantize_q8(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
-    let mut q = Vec::with_capacity(x.len());
-    let mut d = Vec::with_capacity(x.len() / BLOCK);
+/// Activations as int8 per 32-value block: values and one float scale per block, into
+/// `q` and `d` (emptied first).
+fn quantize_q8_into(x: &[f32], q: &mut Vec<i8>, d: &mut Vec<f32>) {
+    q.clear();
+    d.clear();
     for block in x.chunks(BLOCK) {
         let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         let scale = amax / 127.0;
@@ -391,7 +428,6 @@ fn quantize_q8(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
         q.extend(block.iter().map(|v| nearest(v * inv) as i8));
         d.push(scale);
     }
-    (q, d)
 }
 
 /// Round to nearest, ties to even, for |v| <= 2^22 (activations scaled to [-127, 127],
