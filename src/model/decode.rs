@@ -176,10 +176,22 @@ fn view(l: &Linear) -> Result<View<'_>> {
     l.view().ok_or_else(|| Error::Engine(candle_core::Error::Msg("a linear layer of a float32 CPU model is not float32 in CPU memory".into())))
 }
 
-/// Rows per task of `w`: several tasks per thread (so a slow thread is balanced out), a
-/// multiple of the kernels' row group ([`View::row_group`]), at most [`MAX_ROWS_PER_TASK`].
+/// Tasks per thread a product is split into: several, so that a slow or preempted thread
+/// is balanced out, and few, each a long run of rows. On the Intel Xeon (2 threads,
+/// 2026-12-06, in turns, three tasks per thread against eight), the default model's
+/// matrices then split evenly (six tasks of 160, 96 and 256 rows where there were 15 of 64,
+/// 12 of 48 and 16 of 96): medians over 3 s, eight sequences of 16 tokens quantized
+/// 11.0 / 11.2 -> 10.4 / 9.6 ms a step, float32 24.5 / 26.0 -> 22.3 / 23.3; one sequence
+/// quantized 4.2 / 4.5 -> 3.8 / 3.9, float32 16.8 / 17.9 -> 15.6 / 16.5; at 2,000 tokens
+/// eight quantized 19.2 / 19.0 -> 18.4 / 18.2, eight float32 36.8 / 36.6 -> 34.4 / 35.0, one
+/// float32 22.0 / 22.0 -> 20.7 / 21.2. Four per thread was in between; with two, one
+/// sequence in float32 was slower (17.3 / 17.9).
+const TASKS_PER_THREAD: usize = 3;
+
+/// Rows per task of `w`: [`TASKS_PER_THREAD`], a multiple of the kernels' row group
+/// ([`View::row_group`]), at most [`MAX_ROWS_PER_TASK`].
 fn rows_per_task(w: &View<'_>, rows: usize, threads: usize) -> usize {
-    (rows / (threads * 8)).next_multiple_of(w.row_group().max(4)).clamp(16, MAX_ROWS_PER_TASK)
+    (rows / (threads * TASKS_PER_THREAD)).next_multiple_of(w.row_group().max(4)).clamp(16, MAX_ROWS_PER_TASK)
 }
 
 /// `out[b] = W x[b]` (or `out[b] += W x[b]` with `add`) for every sequence b, rows split
