@@ -195,13 +195,20 @@ impl QInput {
         // weight then meets the same rounded activation in both terms, and the rounding
         // enters the product through the weight's value (centred), not through its
         // unsigned integer (0..63, all one sign), which would add up the rounding errors.
+        // Each such sum is its integers' exact sum times the scale, one rounding.
         self.half_sums.clear();
-        match &q8 {
-            Some((q, d)) => self.half_sums.extend(q.chunks(BLOCK / 2).enumerate().map(|(i, half)| half.iter().map(|&v| v as f32 * d[i / 2]).sum::<f32>())),
-            None => self.half_sums.extend(x.chunks(BLOCK / 2).map(|half| half.iter().sum::<f32>())),
-        }
         self.block_sums.clear();
-        self.block_sums.extend(self.half_sums.chunks(2).map(|p| p.iter().sum::<f32>()));
+        match &q8 {
+            Some((q, d)) => {
+                let int_sum = |v: &[i8]| v.iter().map(|&v| v as i32).sum::<i32>();
+                self.half_sums.extend(q.chunks(BLOCK / 2).enumerate().map(|(i, half)| int_sum(half) as f32 * d[i / 2]));
+                self.block_sums.extend(q.chunks(BLOCK).zip(d).map(|(block, d)| int_sum(block) as f32 * d));
+            }
+            None => {
+                self.half_sums.extend(x.chunks(BLOCK / 2).map(|half| half.iter().sum::<f32>()));
+                self.block_sums.extend(self.half_sums.chunks(2).map(|p| p.iter().sum::<f32>()));
+            }
+        }
         let mut starts = self.starts.take().unwrap_or_default();
         self.starts = match &q8 {
             Some((q, _)) if vnni => {
@@ -417,16 +424,62 @@ fn starts(q: &[i8]) -> impl Iterator<Item = i32> + '_ {
 }
 
 /// Activations as int8 per 32-value block: values and one float scale per block, into
-/// `q` and `d` (emptied first).
+/// `q` and `d` (emptied first); whole blocks with AVX2 where the CPU has it, the same
+/// integers and scales ([`quantize_block`]).
 fn quantize_q8_into(x: &[f32], q: &mut Vec<i8>, d: &mut Vec<f32>) {
     q.clear();
     d.clear();
-    for block in x.chunks(BLOCK) {
-        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let scale = amax / 127.0;
-        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        q.extend(block.iter().map(|v| nearest(v * inv) as i8));
-        d.push(scale);
+    q.resize(x.len(), 0);
+    d.resize(x.len().div_ceil(BLOCK), 0.0);
+    let whole = x.len() / BLOCK * BLOCK;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: AVX2 and FMA were detected at run time; the slices hold whole blocks
+        unsafe { quantize_blocks_avx2(&x[..whole], &mut q[..whole], &mut d[..whole / BLOCK]) };
+        if let Some(last) = d.last_mut().filter(|_| whole < x.len()) {
+            *last = quantize_block(&x[whole..], &mut q[whole..]);
+        }
+        return;
+    }
+    for ((x, q), d) in x.chunks(BLOCK).zip(q.chunks_mut(BLOCK)).zip(d.iter_mut()) {
+        *d = quantize_block(x, q);
+    }
+}
+
+/// One block of activations as int8: `q[i] = nearest(x[i] * 127 / max |x|)`; returns the
+/// scale, max |x| / 127.
+fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = amax / 127.0;
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    q.iter_mut().zip(x).for_each(|(q, v)| *q = nearest(v * inv) as i8);
+    scale
+}
+
+/// [`quantize_block`] for whole blocks with AVX2: the largest magnitude is exact in any
+/// order, the scale and its inverse are computed as there, each value's product with the
+/// inverse is the same single rounding, and [`nearest`]'s addition and bit mask run on
+/// eight lanes, so the integers and scales are the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(x.len() == q.len() && x.len() == d.len() * BLOCK);
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let (shift, fraction, half) = (_mm256_set1_ps(12_582_912.0), _mm256_set1_epi32(0x007f_ffff), _mm256_set1_epi32(0x0040_0000));
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (b, scale) in d.iter_mut().enumerate() {
+        let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(x.as_ptr().add(b * BLOCK + 8 * k)));
+        let m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)), _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+        *scale = amax / 127.0;
+        let inv = _mm256_set1_ps(if *scale > 0.0 { 1.0 / *scale } else { 0.0 });
+        let ints: [__m256i; 4] = std::array::from_fn(|k| _mm256_sub_epi32(_mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(_mm256_mul_ps(v[k], inv), shift)), fraction), half));
+        // 32-bit lanes to bytes (every value within -127..127), back in order
+        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3]));
+        _mm256_storeu_si256(q.as_mut_ptr().add(b * BLOCK) as *mut __m256i, _mm256_permutevar8x32_epi32(bytes, order));
     }
 }
 
@@ -1316,6 +1369,33 @@ mod tests {
             return vec![false, true];
         }
         vec![false]
+    }
+
+    /// The AVX2 quantizer gives [`quantize_block`]'s integers and scales, bit for bit:
+    /// random magnitudes, a block of zeros, signed zeros, halves (ties to even), values at
+    /// the largest magnitude of either sign, and a last block of fewer than 32 values.
+    #[test]
+    fn quantize_whole_blocks_as_one_block_at_a_time() {
+        let mut s = 7u64;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let mut x: Vec<f32> = (0..32 * 40 + 17).map(|i| next() * [1e-6f32, 1.0, 3e4][i / 32 % 3]).collect();
+        x[32..64].fill(0.0);
+        x[64..96].iter_mut().enumerate().for_each(|(i, v)| *v = if i % 2 == 0 { -0.0 } else { 0.0 });
+        // a largest magnitude of 127 (scale 1): the others are halves, ties
+        x[96..128].iter_mut().enumerate().for_each(|(i, v)| *v = i as f32 - 15.5);
+        x[127] = 127.0;
+        x[128] = -127.0;
+        let mut want_q = vec![0i8; x.len()];
+        let want_d: Vec<f32> = x.chunks(BLOCK).zip(want_q.chunks_mut(BLOCK)).map(|(x, q)| quantize_block(x, q)).collect();
+        let (mut q, mut d) = (Vec::new(), Vec::new());
+        quantize_q8_into(&x, &mut q, &mut d);
+        assert_eq!(q, want_q);
+        assert_eq!(d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want_d.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert_eq!(d[3], 1.0);
+        assert!(q[96..127].iter().all(|&v| v % 2 == 0), "ties not to even: {:?}", &q[96..127]);
     }
 
     #[test]
