@@ -13,6 +13,8 @@ use half::f16;
 
 use crate::kernels::attention::Stored;
 use crate::kernels::qmatvec::nearest;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::qmatvec::{block_amax_avx2, bytes_avx2};
 
 /// Values per block.
 pub const QK: usize = 32;
@@ -34,17 +36,23 @@ impl Q8Block {
     /// 32 values rounded as the module says.
     pub fn quantize(x: &[f32]) -> Self {
         debug_assert_eq!(x.len(), QK);
-        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let scale = f16::from_f32(amax / 127.0);
-        let step = scale.to_f32();
+        let (scale, step) = Self::scale_for(x.iter().fold(0f32, |m, v| m.max(v.abs())));
         let mut qs = [0i8; QK];
-        if step > 0.0 && step.is_finite() {
+        if let Some(step) = step {
             for (q, &v) in qs.iter_mut().zip(x) {
                 // a float16 scale rounded down can put amax a hair past 127 steps
                 *q = (v / step).round().clamp(-127.0, 127.0) as i8;
             }
         }
         Self { scale: scale.to_le_bytes(), qs }
+    }
+
+    /// The stored scale of a block whose largest magnitude is `amax`, and the step its
+    /// values are rounded to (None: they are all stored as 0).
+    fn scale_for(amax: f32) -> (f16, Option<f32>) {
+        let scale = f16::from_f32(amax / 127.0);
+        let step = scale.to_f32();
+        (scale, (step > 0.0 && step.is_finite()).then_some(step))
     }
 
     /// The scale as float32, exactly, without the `half` crate's run-time dispatch (a call
@@ -85,14 +93,63 @@ pub fn row_bytes(head_dim: usize) -> usize {
 
 /// Rounds `src` (a multiple of [`QK`] values) into blocks, written as bytes to `dst`
 /// (`row_bytes(src.len())` of them).
+/// AVX2 where the CPU has it (the same bytes: [`quantize_avx2`]).
 pub fn quantize_into(src: &[f32], dst: &mut [u8]) {
-    debug_assert!(src.len().is_multiple_of(QK) && dst.len() == row_bytes(src.len()));
+    quantize_with(crate::kernels::matvec::kernel(), src, dst)
+}
+
+/// [`quantize_into`] on a level the CPU runs.
+fn quantize_with(level: crate::kernels::matvec::Kernel, src: &[f32], dst: &mut [u8]) {
+    assert!(src.len().is_multiple_of(QK) && dst.len() == row_bytes(src.len()));
+    #[cfg(target_arch = "x86_64")]
+    if level != crate::kernels::matvec::Kernel::Portable {
+        // SAFETY: the CPU has AVX2 and FMA (every level but the portable one is checked
+        // at run time); the lengths were checked
+        return unsafe { quantize_avx2(src, dst) };
+    }
+    let _ = level;
+    quantize_portable(src, dst);
+}
+
+fn quantize_portable(src: &[f32], dst: &mut [u8]) {
     for (x, out) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(BLOCK_BYTES)) {
         let b = Q8Block::quantize(x);
         out[..2].copy_from_slice(&b.scale);
         for (o, q) in out[2..].iter_mut().zip(b.qs) {
             *o = q as u8;
         }
+    }
+}
+
+/// [`Q8Block::quantize`] with AVX2, 32 values a block: the largest magnitude as there
+/// ([`block_amax_avx2`]), the same scale and step, each value divided by the step (the
+/// same single rounding), rounded half away from zero as `f32::round` does (the
+/// magnitude's integer part plus one where its fraction, exact, is at least a half) and
+/// clamped: the same bytes. The scalar loop divided and called libm's `roundf` per value.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_avx2(src: &[f32], dst: &mut [u8]) {
+    use std::arch::x86_64::*;
+    let (sign, one, halfway, limit) = (_mm256_set1_ps(-0.0), _mm256_set1_ps(1.0), _mm256_set1_ps(0.5), _mm256_set1_ps(127.0));
+    for (x, out) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(BLOCK_BYTES)) {
+        let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(x.as_ptr().add(8 * k)));
+        let (scale, step) = Q8Block::scale_for(block_amax_avx2(&v));
+        out[..2].copy_from_slice(&scale.to_le_bytes());
+        let Some(step) = step else {
+            out[2..].fill(0);
+            continue;
+        };
+        let step = _mm256_set1_ps(step);
+        let ints: [__m256i; 4] = std::array::from_fn(|k| {
+            let q = _mm256_div_ps(v[k], step);
+            let magnitude = _mm256_andnot_ps(sign, q);
+            let whole = _mm256_round_ps(magnitude, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            let up = _mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(magnitude, whole), halfway, _CMP_GE_OQ), one);
+            // a NaN (of a NaN value) is stored as 0, as `as i8` makes it
+            let rounded = _mm256_and_ps(_mm256_min_ps(_mm256_add_ps(whole, up), limit), _mm256_cmp_ps(q, q, _CMP_ORD_Q));
+            _mm256_cvttps_epi32(_mm256_or_ps(rounded, _mm256_and_ps(q, sign)))
+        });
+        _mm256_storeu_si256(out[2..].as_mut_ptr() as *mut __m256i, bytes_avx2(ints));
     }
 }
 
@@ -281,6 +338,39 @@ impl Stored for Q8Block {
 mod tests {
     use super::*;
     use crate::kernels::attention::tests::random;
+
+    /// Every level's rounding stores the scalar blocks' bytes: mixed magnitudes, zeros,
+    /// values on a step's half (ties away from zero), past 127 steps (a scale rounded
+    /// down), tiny and huge magnitudes (float16 scales that underflow and overflow), NaNs
+    /// and infinities.
+    #[test]
+    fn every_level_rounds_to_the_same_bytes() {
+        let blocks = 12;
+        let mut x: Vec<f32> = random(blocks * QK, 11).iter().enumerate().map(|(i, v)| v * [1.0, 5.0, 1e-9, 1e9, 300.0, 1e-3][i / QK % 6]).collect();
+        x[QK..2 * QK].fill(0.0);
+        // amax 127 with a step of 1 (float16 holds it): values on halves, of both signs
+        x[6 * QK..7 * QK].iter_mut().enumerate().for_each(|(i, v)| *v = (i as f32 - 16.0) + 0.5);
+        x[6 * QK] = -127.0;
+        // a largest magnitude whose scale float16 rounds down: it lands past 127 steps
+        x[7 * QK] = 127.0 * 1.0004;
+        x[8 * QK + 5] = f32::NAN;
+        x[9 * QK + 2] = f32::INFINITY;
+        x[10 * QK + 7] = f32::NEG_INFINITY;
+        x[10 * QK + 8] = f32::NAN;
+        let mut want = vec![0u8; row_bytes(x.len())];
+        quantize_portable(&x, &mut want);
+        let ties = &as_blocks(&want)[6];
+        assert_eq!(ties.scale(), 1.0);
+        assert_eq!(&ties.values()[1..4], &[-15, -14, -13], "-14.5, -13.5 and -12.5 not rounded away from zero");
+        assert_eq!(as_blocks(&want)[7].values()[0], 127);
+        for level in crate::kernels::matvec::Kernel::available() {
+            let mut got = vec![0u8; row_bytes(x.len())];
+            quantize_with(level, &x, &mut got);
+            for (b, (w, g)) in want.chunks(BLOCK_BYTES).zip(got.chunks(BLOCK_BYTES)).enumerate() {
+                assert_eq!(w, g, "{}, block {b}", level.name());
+            }
+        }
+    }
 
     #[test]
     fn queries_round_within_half_a_step_and_score_exactly() {

@@ -465,22 +465,43 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
 unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32]) {
     use std::arch::x86_64::*;
     assert!(x.len() == q.len() && x.len() == d.len() * BLOCK);
-    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
     let (shift, fraction, half) = (_mm256_set1_ps(12_582_912.0), _mm256_set1_epi32(0x007f_ffff), _mm256_set1_epi32(0x0040_0000));
-    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (b, scale) in d.iter_mut().enumerate() {
         let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(x.as_ptr().add(b * BLOCK + 8 * k)));
-        let m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)), _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
-        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-        *scale = amax / 127.0;
+        *scale = block_amax_avx2(&v) / 127.0;
         let inv = _mm256_set1_ps(if *scale > 0.0 { 1.0 / *scale } else { 0.0 });
         let ints: [__m256i; 4] = std::array::from_fn(|k| _mm256_sub_epi32(_mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(_mm256_mul_ps(v[k], inv), shift)), fraction), half));
-        // 32-bit lanes to bytes (every value within -127..127), back in order
-        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3]));
-        _mm256_storeu_si256(q.as_mut_ptr().add(b * BLOCK) as *mut __m256i, _mm256_permutevar8x32_epi32(bytes, order));
+        _mm256_storeu_si256(q.as_mut_ptr().add(b * BLOCK) as *mut __m256i, bytes_avx2(ints));
     }
+}
+
+/// The largest magnitude of 32 floats (four registers) as `fold(0, |m, v| m.max(v.abs()))`
+/// finds it, a NaN passed over (`max_ps` returns its second operand, the running maximum,
+/// when either is NaN).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn block_amax_avx2(v: &[std::arch::x86_64::__m256; 4]) -> f32 {
+    use std::arch::x86_64::*;
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let mut m = _mm256_setzero_ps();
+    for v in v {
+        m = _mm256_max_ps(_mm256_and_ps(*v, magnitude), m);
+    }
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)))
+}
+
+/// 32 integers within -128..127 in four registers of 32-bit lanes as 32 bytes, in order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn bytes_avx2(ints: [std::arch::x86_64::__m256i; 4]) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // the packs interleave 128-bit lanes: 4-byte groups come out as 0, 2, 4, 6, 1, 3, 5, 7
+    let bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3]));
+    _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
 }
 
 /// Round to nearest, ties to even, for |v| <= 2^22 (activations scaled to [-127, 127],
