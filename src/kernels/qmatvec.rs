@@ -431,9 +431,9 @@ fn quantize_q8_into(x: &[f32], q: &mut Vec<i8>, d: &mut Vec<f32>) {
     d.clear();
     q.resize(x.len(), 0);
     d.resize(x.len().div_ceil(BLOCK), 0.0);
-    let whole = x.len() / BLOCK * BLOCK;
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
+        let whole = x.len() / BLOCK * BLOCK;
         // SAFETY: AVX2 and FMA were detected at run time; the slices hold whole blocks
         unsafe { quantize_blocks_avx2(&x[..whole], &mut q[..whole], &mut d[..whole / BLOCK]) };
         if let Some(last) = d.last_mut().filter(|_| whole < x.len()) {
