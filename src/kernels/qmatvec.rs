@@ -195,29 +195,37 @@ impl QInput {
         // weight then meets the same rounded activation in both terms, and the rounding
         // enters the product through the weight's value (centred), not through its
         // unsigned integer (0..63, all one sign), which would add up the rounding errors.
-        // Each such sum is its integers' exact sum times the scale, one rounding.
+        // Each such sum is its integers' exact sum times the scale, one rounding; a block's
+        // integers are summed once, per half, for its half sums, its block sum and (where
+        // the AVX-512 kernels run) its `starts` term, all exact.
         self.half_sums.clear();
         self.block_sums.clear();
+        let mut starts = self.starts.take().unwrap_or_default();
+        starts.clear();
         match &q8 {
             Some((q, d)) => {
                 let int_sum = |v: &[i8]| v.iter().map(|&v| v as i32).sum::<i32>();
-                self.half_sums.extend(q.chunks(BLOCK / 2).enumerate().map(|(i, half)| int_sum(half) as f32 * d[i / 2]));
-                self.block_sums.extend(q.chunks(BLOCK).zip(d).map(|(block, d)| int_sum(block) as f32 * d));
+                for (block, &d) in q.chunks(BLOCK).zip(d) {
+                    // a last block may be shorter than one half (then it has no second)
+                    let (first, second) = block.split_at(block.len().min(BLOCK / 2));
+                    let (a, b) = (int_sum(first), int_sum(second));
+                    self.half_sums.push(a as f32 * d);
+                    if !second.is_empty() {
+                        self.half_sums.push(b as f32 * d);
+                    }
+                    let sum = a + b;
+                    self.block_sums.push(sum as f32 * d);
+                    if vnni {
+                        starts.push(-128 * sum);
+                    }
+                }
             }
             None => {
                 self.half_sums.extend(x.chunks(BLOCK / 2).map(|half| half.iter().sum::<f32>()));
                 self.block_sums.extend(self.half_sums.chunks(2).map(|p| p.iter().sum::<f32>()));
             }
         }
-        let mut starts = self.starts.take().unwrap_or_default();
-        self.starts = match &q8 {
-            Some((q, _)) if vnni => {
-                starts.clear();
-                starts.extend(self::starts(q));
-                Some(starts)
-            }
-            _ => None,
-        };
+        self.starts = (q8.is_some() && vnni).then_some(starts);
         self.q8 = q8;
     }
 }
@@ -410,17 +418,12 @@ pub struct QInput {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     block_sums: Vec<f32>,
     q8: Option<(Vec<i8>, Vec<f32>)>,
-    /// where the AVX-512 integer kernels run: [`starts`] of the int8 form
+    /// where the AVX-512 integer kernels run: per block of the int8 form, minus 128 times
+    /// the sum of its 32 integers (the Q8_0 kernel's byte products start from it, its
+    /// signed weights made unsigned by adding 128, and so end exactly at the signed
+    /// products' sum)
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     starts: Option<Vec<i32>>,
-}
-
-/// Per block of the int8 activations, minus 128 times the sum of its 32 integers: where
-/// the AVX-512 kernels run, the Q8_0 kernel's byte products start from it (its signed
-/// weights made unsigned by adding 128) and so end exactly at the signed products' sum.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn starts(q: &[i8]) -> impl Iterator<Item = i32> + '_ {
-    q.chunks(BLOCK).map(|block| -128 * block.iter().map(|&v| v as i32).sum::<i32>())
 }
 
 /// Activations as int8 per 32-value block: values and one float scale per block, into
@@ -618,7 +621,7 @@ struct Acts<'a, const M: usize> {
     xd: [&'a [f32]; M],
     half_sums: [&'a [f32]; M],
     block_sums: [&'a [f32]; M],
-    /// [`starts`], empty unless every input has them (then the AVX-512 kernels run)
+    /// [`QInput`]'s `starts`, empty unless every input has them (then the AVX-512 kernels run)
     starts: [&'a [i32]; M],
     vnni: bool,
 }
@@ -1417,6 +1420,34 @@ mod tests {
         assert_eq!(d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want_d.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         assert_eq!(d[3], 1.0);
         assert!(q[96..127].iter().all(|&v| v % 2 == 0), "ties not to even: {:?}", &q[96..127]);
+    }
+
+    /// A filled input's sums from its integers, each by its definition: per 16 values and
+    /// per block the integers' sum times the block's scale, and minus 128 times the block's
+    /// sum where the AVX-512 kernels read them; for lengths ending in a whole block, in a
+    /// second half, in a first half and in a block of one value, and for an input filled
+    /// again with a shorter vector (its buffers reused).
+    #[test]
+    fn an_inputs_sums_are_its_integers_sums() {
+        let mut input = QInput::default();
+        for (len, vnni) in [(576, true), (1536, false), (40, true), (8, true), (33, false), (17, true)] {
+            let x: Vec<f32> = (0..len).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+            input.fill_for(&x, vnni);
+            let (q, d) = match &input.q8 {
+                Some(q8) => q8,
+                None => {
+                    assert!(!simd());
+                    continue;
+                }
+            };
+            let sum = |v: &[i8]| v.iter().map(|&v| v as i32).sum::<i32>();
+            let halves: Vec<f32> = q.chunks(BLOCK / 2).enumerate().map(|(i, h)| sum(h) as f32 * d[i / 2]).collect();
+            let blocks: Vec<f32> = q.chunks(BLOCK).zip(d).map(|(b, d)| sum(b) as f32 * d).collect();
+            assert_eq!(input.half_sums, halves, "length {len}");
+            assert_eq!(input.block_sums, blocks, "length {len}");
+            let starts: Vec<i32> = q.chunks(BLOCK).map(|b| -128 * sum(b)).collect();
+            assert_eq!(input.starts, vnni.then_some(starts), "length {len}");
+        }
     }
 
     #[test]
