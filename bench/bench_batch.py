@@ -24,7 +24,10 @@ copied to sequences 1..B-1, then one ``llama_batch`` of B tokens with B sequence
 ``llama_decode``, in a process of its own per figure (llama.cpp's default float16
 cache, its unified cache for B sequences). With the 2,000-token context the float32
 model runs a second time on a float16 cache, so that kvcandle's cache reads as many
-bytes per step as llama.cpp's.
+bytes per step as llama.cpp's. After the float32 figures with the 16-token context, the
+memory's read rate (``_machine.memory_read_rate``, measured at the start and there) gives
+one sequence's float32 decode its ceiling (the weights' bytes once per token): each
+engine's share of it, and so the largest lead over llama.cpp any engine could have here.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from _machine import cpu_features  # bench/ is on the path when a script runs
+from _machine import cpu_features, memory_read_rate  # bench/ is on the path when a script runs
 
 BATCHES = (1, 2, 4, 8)
 CHUNKS = (1, 2, 4, 8, 16, 32)
@@ -189,6 +192,16 @@ def chunk_costs(model, rng, rounds: int) -> dict[int, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def print_ceiling(weight_bytes: int, rate: float, ours: float, theirs: float) -> None:
+    """One float32 sequence's decode reads every weight once per token, so the memory's
+    read rate (GB/s, measured in this run) bounds it: each engine's share of that bound,
+    and the most any engine reading the weights once could be ahead of llama.cpp here."""
+    ceiling = rate * 1e9 / weight_bytes
+    print(f"float32, B=1, 16-token context: {weight_bytes / 1e6:.0f} MB of weights per token, memory read rate {rate:.1f} GB/s "
+          f"(this run), so at most {ceiling:.1f} tok/s: kvcandle {ours / ceiling:.0%} of it, llama.cpp {theirs / ceiling:.0%}; "
+          f"reading the weights once, no engine can be more than {ceiling / theirs:.2f}x llama.cpp here")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -202,6 +215,7 @@ def main() -> None:
     import kvcandle
 
     print(f"CPU features: {cpu_features()}; {args.threads} thread(s)")
+    read_rates = [memory_read_rate(args.threads)]
     rng = np.random.default_rng(0)
     results: dict[tuple[str, int], dict[int, float]] = {}
     src = kvcandle.default_model_path()
@@ -254,6 +268,9 @@ def main() -> None:
                 for dtype, med in meds.items():
                     print(f"llama.cpp {'Q4_1' if quantized else 'f32'}, {context}-token context: "
                           + ", ".join(f"B={b} {theirs[b]:.1f} tok/s (kvcandle, {dtype} cache, {med[b] / theirs[b]:.2f}x)" for b in BATCHES))
+                if not quantized and context == 16:
+                    read_rates.append(memory_read_rate(args.threads))
+                    print_ceiling(model.weight_bytes, statistics.median(read_rates), meds[model.default_cache_dtype][1], theirs[1])
     if args.plot:
         import matplotlib
 

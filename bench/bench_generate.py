@@ -41,7 +41,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -73,28 +72,7 @@ from kvcandle._platform import cpu_description  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _llamacpp import write_f32_gguf  # noqa: E402
-
-
-def memory_read_rate(threads: int, mb: int = 512) -> float:
-    """GB/s reading a float32 array far larger than the caches, split over `threads`
-    threads (numpy releases the GIL in its reductions): the faster of numpy's sum and of
-    each part's dot product with itself (BLAS; it reads the part once), best of 5 each.
-    On an AMD Zen 5 numpy's sum is bound by its additions, not by the memory (2 threads:
-    52.7-55.3 GB/s against 85.3-86.0 for the dot product), which made the float32 decode
-    read "143 %" of the ceiling; where the sum keeps up with the memory the two agree."""
-    a = np.ones(mb * 1024 * 1024 // 4, dtype=np.float32)
-    parts = np.array_split(a, threads)
-    best = 0.0
-    for read in (np.add.reduce, lambda p: np.dot(p, p)):
-        for _ in range(5):
-            ts = [threading.Thread(target=read, args=(p,)) for p in parts]
-            t = time.perf_counter()
-            for x in ts:
-                x.start()
-            for x in ts:
-                x.join()
-            best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
-    return best
+from _machine import memory_read_rate  # noqa: E402
 
 
 class Engine:
