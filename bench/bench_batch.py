@@ -192,14 +192,15 @@ def chunk_costs(model, rng, rounds: int) -> dict[int, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def print_ceiling(weight_bytes: int, rate: float, ours: float, theirs: float) -> None:
+def print_ceiling(weight_bytes: int, rate: float, ours: float, theirs: Optional[float]) -> None:
     """One float32 sequence's decode reads every weight once per token, so the memory's
-    read rate (GB/s, measured in this run) bounds it: each engine's share of that bound,
-    and the most any engine reading the weights once could be ahead of llama.cpp here."""
+    read rate (GB/s, measured in this run) bounds it: each engine's share of that bound
+    (llama.cpp's where it ran), and the most any engine reading the weights once could be
+    ahead of llama.cpp here."""
     ceiling = rate * 1e9 / weight_bytes
+    vs = f", llama.cpp {theirs / ceiling:.0%}; reading the weights once, no engine can be more than {ceiling / theirs:.2f}x llama.cpp here" if theirs else ""
     print(f"float32, B=1, 16-token context: {weight_bytes / 1e6:.0f} MB of weights per token, memory read rate {rate:.1f} GB/s "
-          f"(this run), so at most {ceiling:.1f} tok/s: kvcandle {ours / ceiling:.0%} of it, llama.cpp {theirs / ceiling:.0%}; "
-          f"reading the weights once, no engine can be more than {ceiling / theirs:.2f}x llama.cpp here")
+          f"(this run), so at most {ceiling:.1f} tok/s: kvcandle {ours / ceiling:.0%} of it{vs}")
 
 
 def main() -> None:
@@ -268,9 +269,9 @@ def main() -> None:
                 for dtype, med in meds.items():
                     print(f"llama.cpp {'Q4_1' if quantized else 'f32'}, {context}-token context: "
                           + ", ".join(f"B={b} {theirs[b]:.1f} tok/s (kvcandle, {dtype} cache, {med[b] / theirs[b]:.2f}x)" for b in BATCHES))
-                if not quantized and context == 16:
-                    read_rates.append(memory_read_rate(args.threads))
-                    print_ceiling(model.weight_bytes, statistics.median(read_rates), meds[model.default_cache_dtype][1], theirs[1])
+            if not quantized and context == 16:
+                read_rates.append(memory_read_rate(args.threads))
+                print_ceiling(model.weight_bytes, statistics.median(read_rates), meds[model.default_cache_dtype][1], theirs[1] if theirs else None)
     if args.plot:
         import matplotlib
 
