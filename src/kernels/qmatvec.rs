@@ -4,7 +4,9 @@
 //! kernels only when the whole crate is built for AVX2, so on a portable build it is
 //! slower than float32. These kernels read the blocks as stored (Q8_0: a scale and 32
 //! bytes, the half-precision scale converted to float32 once, at load; every other block
-//! type byte for byte, read through [`crate::kernels::blocks`]) and split rows across threads. When the CPU has AVX2
+//! type byte for byte, read through [`crate::kernels::blocks`]; Q4_0 and Q4_1 on x86-64
+//! the same bytes with each group of sixteen rows interleaved block by block, [`interleave`])
+//! and split rows across threads. When the CPU has AVX2
 //! and FMA (detected at run time), and on every 64-bit ARM CPU (NEON is part of the
 //! architecture), the activations are quantized to int8 per block and multiplied as
 //! integers, as llama.cpp does; otherwise a portable float32 loop runs.
@@ -42,15 +44,85 @@ pub enum QKind {
     BF16,
 }
 
-/// A (rows, cols) matrix of quantized blocks, repacked at load: the half-precision
-/// block scales become float32 (`scales`: d, or d and m, per block) and the quantized
-/// values stay as stored (`qs`: 16 or 32 bytes per block), row-major.
+/// A (rows, cols) matrix of quantized blocks. Q8_0 is repacked at load: the
+/// half-precision block scales become float32 (`scales`) and the values stay as stored
+/// (`qs`: 32 bytes per block), row-major. Every other type is kept byte for byte as
+/// stored, row-major, except that Q4_0 and Q4_1 on x86-64 with the integer kernels keep
+/// each whole group of [`GROUP`] rows interleaved block by block (`grouped`,
+/// [`interleave`]): the same bytes in another order, read by the rows-in-lanes kernels as
+/// one stream and by every other reader through [`QMatrix::stored_row`].
 pub struct QMatrix {
     kind: QKind,
     rows: usize,
     cols: usize,
     scales: Vec<f32>,
     qs: Vec<u8>,
+    grouped: bool,
+}
+
+/// Rows of a Q4_0 or Q4_1 matrix interleaved as one group ([`interleave`]): the
+/// AVX-512 kernels' sixteen lanes (the AVX2 kernels take either half).
+const GROUP: usize = 16;
+
+/// A Q4_0 or Q4_1 block's leading bytes (its scale, and Q4_1's minimum), which come
+/// before its 16 bytes of nibbles.
+fn q4_head(f: Format) -> usize {
+    match f {
+        Format::Q4_0 => 2,
+        Format::Q4_1 => 4,
+        _ => unreachable!("{f:?} is not a 4-bit one-sub-block format"),
+    }
+}
+
+/// Where byte `at` of row `i`'s block (of a group of [`GROUP`] rows) goes in the group's
+/// interleaved block ([`interleave`]): the sixteen rows' heads side by side, then four
+/// runs of 64 bytes, run `t` holding each row's nibble bytes `4t..4t + 4` in row order
+/// (as a 512-bit register: lane `i`, row `i`).
+fn interleaved_at(head: usize, i: usize, at: usize) -> usize {
+    if at < head {
+        i * head + at
+    } else {
+        let (t, byte) = ((at - head) / 4, (at - head) % 4);
+        GROUP * head + 64 * t + 4 * i + byte
+    }
+}
+
+/// Row `r` (inside a whole interleaved group) of a Q4_0 or Q4_1 matrix as stored, into
+/// `out` (`row_bytes`), from its group's interleaved blocks ([`interleave`]).
+fn rebuild_row(f: Format, qs: &[u8], row_bytes: usize, r: usize, out: &mut [u8]) {
+    let (block, head, i) = (f.block_bytes(), q4_head(f), r % GROUP);
+    let span = &qs[(r - i) * row_bytes..(r - i + GROUP) * row_bytes];
+    for (run, out) in span.chunks_exact(GROUP * block).zip(out[..row_bytes].chunks_exact_mut(block)) {
+        // the head, then each run of four nibble bytes ([`interleaved_at`]'s order)
+        out[..head].copy_from_slice(&run[i * head..(i + 1) * head]);
+        for t in 0..4 {
+            let at = interleaved_at(head, i, head + 4 * t);
+            out[head + 4 * t..head + 4 * t + 4].copy_from_slice(&run[at..at + 4]);
+        }
+    }
+}
+
+/// Interleaves every whole group of [`GROUP`] rows of a row-major Q4_0 or Q4_1 matrix
+/// in place (a last group of fewer rows stays row-major): for each block, the group's
+/// sixteen blocks become one run of `GROUP * block_bytes` bytes ([`interleaved_at`]), the
+/// runs in block order, so the group still takes the same bytes of the matrix as before.
+/// The rows-in-lanes kernels then load each register straight from one stream, where
+/// the stored order needs sixteen streams and a transpose (`examples/qproducts_probe.rs`).
+fn interleave(f: Format, qs: &mut [u8], rows: usize, row_bytes: usize) {
+    let (bytes, head) = (f.block_bytes(), q4_head(f));
+    let mut group = vec![0u8; GROUP * row_bytes];
+    for g in 0..rows / GROUP {
+        let span = &mut qs[g * GROUP * row_bytes..(g + 1) * GROUP * row_bytes];
+        for (i, row) in span.chunks_exact(row_bytes).enumerate() {
+            for (b, block) in row.chunks_exact(bytes).enumerate() {
+                let run = &mut group[b * GROUP * bytes..(b + 1) * GROUP * bytes];
+                for (at, &v) in block.iter().enumerate() {
+                    run[interleaved_at(head, i, at)] = v;
+                }
+            }
+        }
+        span.copy_from_slice(&group);
+    }
 }
 
 impl QKind {
@@ -86,8 +158,11 @@ impl QMatrix {
         if !fits {
             return Err(data);
         }
-        if matches!(kind, QKind::Blocks(_) | QKind::F16 | QKind::BF16) {
-            return Ok(Self { kind, rows, cols, scales: Vec::new(), qs: data });
+        if let QKind::Blocks(f) = kind {
+            return Ok(Self::kept(f, rows, cols, data, cfg!(target_arch = "x86_64") && simd()));
+        }
+        if matches!(kind, QKind::F16 | QKind::BF16) {
+            return Ok(Self { kind, rows, cols, scales: Vec::new(), qs: data, grouped: false });
         }
         // repacked in place: each block's values move down over the scales before them
         // (never past a block not yet read), so loading holds only the new scales besides
@@ -104,7 +179,42 @@ impl QMatrix {
         }
         qs.truncate(blocks * per);
         qs.shrink_to_fit();
-        Ok(Self { kind, rows, cols, scales, qs })
+        Ok(Self { kind, rows, cols, scales, qs, grouped: false })
+    }
+
+    /// Kept blocks (sizes checked), Q4_0 and Q4_1 interleaved by groups of rows when
+    /// `group` ([`interleave`]; the tests build both layouts on one CPU).
+    fn kept(f: Format, rows: usize, cols: usize, mut qs: Vec<u8>, group: bool) -> Self {
+        let grouped = group && matches!(f, Format::Q4_0 | Format::Q4_1);
+        if grouped {
+            interleave(f, &mut qs, rows, cols / f.block_values() * f.block_bytes());
+        }
+        Self { kind: QKind::Blocks(f), rows, cols, scales: Vec::new(), qs, grouped }
+    }
+
+    /// Row `r`'s kept blocks as stored (rebuilt from its group where interleaved).
+    fn stored_row(&self, r: usize) -> std::borrow::Cow<'_, [u8]> {
+        let mut row = Vec::new();
+        self.stored_row_in(r, &mut row);
+        if row.is_empty() {
+            std::borrow::Cow::Borrowed(&self.qs[r * self.row_bytes()..(r + 1) * self.row_bytes()])
+        } else {
+            std::borrow::Cow::Owned(row)
+        }
+    }
+
+    /// [`QMatrix::stored_row`] with the buffer a rebuilt row goes into given (and left
+    /// empty for a row read in place), so that a loop over rows allocates once.
+    fn stored_row_in<'s>(&'s self, r: usize, buffer: &'s mut Vec<u8>) -> &'s [u8] {
+        let bytes = self.row_bytes();
+        let QKind::Blocks(f) = self.kind else { unreachable!("only kept blocks are read as stored rows") };
+        if !self.grouped || r >= self.rows / GROUP * GROUP {
+            buffer.clear();
+            return &self.qs[r * bytes..(r + 1) * bytes];
+        }
+        buffer.resize(bytes, 0);
+        rebuild_row(f, &self.qs, bytes, r, buffer);
+        buffer
     }
 
     pub fn kind(&self) -> QKind {
@@ -135,12 +245,13 @@ impl QMatrix {
             return;
         }
         if let QKind::Blocks(f) = self.kind {
-            let row = self.row_bytes();
             let start = out.len();
             out.resize(start + n * self.cols, 0.0);
-            let blocks = self.qs[first * row..(first + n) * row].chunks_exact(f.block_bytes());
-            for (block, out) in blocks.zip(out[start..].chunks_exact_mut(f.block_values())) {
-                f.dequantize_block(block, out);
+            let mut row = Vec::new();
+            for (r, out) in (first..first + n).zip(out[start..].chunks_exact_mut(self.cols)) {
+                for (block, out) in self.stored_row_in(r, &mut row).chunks_exact(f.block_bytes()).zip(out.chunks_exact_mut(f.block_values())) {
+                    f.dequantize_block(block, out);
+                }
             }
             return;
         }
@@ -258,10 +369,8 @@ impl QMatrix {
             return;
         }
         if let QKind::Blocks(f) = self.kind {
-            let bytes = self.row_bytes();
             for (i, o) in out.iter_mut().enumerate() {
-                let row = &self.qs[(first + i) * bytes..(first + i + 1) * bytes];
-                *o = dot_blocks(f, row, input);
+                *o = dot_blocks(f, &self.stored_row(first + i), input);
             }
             return;
         }
@@ -333,10 +442,7 @@ impl QMatrix {
         for i in 0..n {
             let r = first + i;
             let dots = match self.kind {
-                QKind::Blocks(f) => {
-                    let bytes = self.row_bytes();
-                    dot_blocks_q8(f, &self.qs[r * bytes..(r + 1) * bytes], acts)
-                }
+                QKind::Blocks(f) => dot_blocks_q8(f, &self.stored_row(r), acts),
                 QKind::Q8_0 => dot_q8_0_int8(self.q8_0_row(r), acts),
                 QKind::F16 | QKind::BF16 => unreachable!("16-bit rows multiply float32 inputs"),
             };
@@ -348,10 +454,12 @@ impl QMatrix {
 
     /// Rows the kernels take at once, one row per 32-bit lane ([`QMatrix::rows_in_lanes`]):
     /// a caller that splits a matrix into ranges of rows should make each range a multiple
-    /// of it. A range that ends inside a group still gives the same results (a row's
-    /// arithmetic is its lane's), but its last group costs as much as a whole one and is
-    /// read with gathers: ranges of 36 rows (the o and down matrices' tasks on 2 threads)
-    /// made the quantized products up to 45 % slower (`examples/qproducts_probe.rs`).
+    /// of it. A range that starts or ends inside a group still gives the same results (a
+    /// row's arithmetic is its lane's), but its partial groups cost as much as whole ones,
+    /// are read with gathers, and with Q4 are rebuilt from their interleaved group first:
+    /// ranges of 36 rows (the o and down matrices' tasks on 2 threads) made the quantized
+    /// products up to 45 % slower before the interleaving, and tasks of a multiple of 4
+    /// rows run about twice as slow again since (`examples/qproducts_probe.rs`).
     pub fn row_group(&self) -> usize {
         match self.kind {
             QKind::Blocks(Format::Q4_0 | Format::Q4_1) | QKind::Q8_0 if has_vnni() => 16,
@@ -368,8 +476,8 @@ impl QMatrix {
             let row_bytes = self.row_bytes();
             // SAFETY: per-lane forms exist only when AVX512-BW and VNNI were detected
             match self.kind {
-                QKind::Blocks(Format::Q4_0) => unsafe { rows_q4_vnni::<{ Format::Q4_0 as u8 }, M>(&self.qs, row_bytes, first, acts, outs) },
-                QKind::Blocks(Format::Q4_1) => unsafe { rows_q4_vnni::<{ Format::Q4_1 as u8 }, M>(&self.qs, row_bytes, first, acts, outs) },
+                QKind::Blocks(Format::Q4_0) => unsafe { rows_q4_vnni::<{ Format::Q4_0 as u8 }, M>(self.q4_rows(), row_bytes, first, acts, outs) },
+                QKind::Blocks(Format::Q4_1) => unsafe { rows_q4_vnni::<{ Format::Q4_1 as u8 }, M>(self.q4_rows(), row_bytes, first, acts, outs) },
                 QKind::Q8_0 => unsafe { rows_q8_0_vnni::<M>(&self.scales, &self.qs, self.cols / BLOCK, first, acts, outs) },
                 _ => return false,
             }
@@ -377,8 +485,8 @@ impl QMatrix {
         }
         // SAFETY: int8 forms exist on x86-64 only when AVX2, FMA and F16C were detected
         match self.kind {
-            QKind::Blocks(Format::Q4_0) => unsafe { rows_q4_avx2::<{ Format::Q4_0 as u8 }, M>(&self.qs, self.row_bytes(), first, acts, outs) },
-            QKind::Blocks(Format::Q4_1) => unsafe { rows_q4_avx2::<{ Format::Q4_1 as u8 }, M>(&self.qs, self.row_bytes(), first, acts, outs) },
+            QKind::Blocks(Format::Q4_0) => unsafe { rows_q4_avx2::<{ Format::Q4_0 as u8 }, M>(self.q4_rows(), self.row_bytes(), first, acts, outs) },
+            QKind::Blocks(Format::Q4_1) => unsafe { rows_q4_avx2::<{ Format::Q4_1 as u8 }, M>(self.q4_rows(), self.row_bytes(), first, acts, outs) },
             _ => return false,
         }
         true
@@ -396,13 +504,28 @@ impl QMatrix {
         if parts.iter().any(|p| p.kind != first.kind || p.cols != first.cols) {
             return None;
         }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        if let QKind::Blocks(f) = first.kind {
+            // the rows as stored, stacked, then grouped again (a part's last rows may not
+            // make a whole group)
+            let qs = parts.iter().flat_map(|p| (0..p.rows).flat_map(|r| p.stored_row(r).into_owned())).collect();
+            return Some(Self::kept(f, rows, first.cols, qs, first.grouped));
+        }
         Some(QMatrix {
             kind: first.kind,
-            rows: parts.iter().map(|p| p.rows).sum(),
+            rows,
             cols: first.cols,
             scales: parts.iter().flat_map(|p| p.scales.iter().copied()).collect(),
             qs: parts.iter().flat_map(|p| p.qs.iter().copied()).collect(),
+            grouped: false,
         })
+    }
+
+    /// A Q4_0 or Q4_1 matrix's bytes for the rows-in-lanes kernels, with how its rows are
+    /// kept.
+    #[cfg(target_arch = "x86_64")]
+    fn q4_rows(&self) -> Q4Bytes<'_> {
+        Q4Bytes { qs: &self.qs, grouped: if self.grouped { self.rows / GROUP * GROUP } else { 0 } }
     }
 }
 
@@ -1117,6 +1240,36 @@ unsafe fn rows_q8_0_vnni<const M: usize>(scales: &[f32], qs: &[u8], blocks: usiz
 
 /// What the Q4_0 / Q4_1 rows-in-lanes kernels need of a block format, checked against
 /// the matrix, the inputs and the outputs they are given.
+/// A Q4_0 or Q4_1 matrix's bytes as the rows-in-lanes kernels read them: its first
+/// `grouped` rows in interleaved groups ([`interleave`]), the rest row-major.
+#[cfg(target_arch = "x86_64")]
+struct Q4Bytes<'a> {
+    qs: &'a [u8],
+    grouped: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Q4Bytes<'_> {
+    /// Where the kernel reads `count` rows from `first` row-major: in place, or rebuilt
+    /// into `buffer` when some of them are interleaved but not as one group the kernel
+    /// takes whole (a range of rows that starts or ends inside a group).
+    fn row_major(&self, f: Format, row_bytes: usize, first: usize, count: usize, buffer: &mut Vec<u8>) -> *const u8 {
+        if first >= self.grouped {
+            return self.qs[first * row_bytes..].as_ptr();
+        }
+        buffer.resize(count * row_bytes, 0);
+        for (i, out) in buffer.chunks_exact_mut(row_bytes).enumerate() {
+            let r = first + i;
+            if r < self.grouped {
+                rebuild_row(f, self.qs, row_bytes, r, out);
+            } else {
+                out.copy_from_slice(&self.qs[r * row_bytes..(r + 1) * row_bytes]);
+            }
+        }
+        buffer.as_ptr()
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 struct Q4Rows {
     /// bytes per block, and where its 16 bytes of nibbles start (after the scales)
@@ -1130,12 +1283,7 @@ struct Q4Rows {
 #[cfg(target_arch = "x86_64")]
 impl Q4Rows {
     fn checked<const M: usize>(f: Format, qs: &[u8], row_bytes: usize, first: usize, acts: &Acts<'_, M>, outs: &[&mut [f32]]) -> Q4Rows {
-        let (bytes, values_at) = match f {
-            Format::Q4_0 => (18, 2),
-            Format::Q4_1 => (20, 4),
-            _ => unreachable!("{f:?} is not a 4-bit one-sub-block format"),
-        };
-        debug_assert_eq!(bytes, f.block_bytes());
+        let (bytes, values_at) = (f.block_bytes(), q4_head(f));
         let (n, rows) = (row_bytes / bytes, outs[0].len());
         assert!(row_bytes.is_multiple_of(bytes) && qs.len() >= (first + rows) * row_bytes);
         assert!((0..M).all(|m| outs[m].len() == rows && acts.xq[m].len() >= n * SUB && acts.xd[m].len() >= n && acts.block_sums[m].len() >= n));
@@ -1145,10 +1293,7 @@ impl Q4Rows {
 
 /// Q4_0 and Q4_1 rows against int8 activations with AVX-512 VNNI, sixteen rows at once,
 /// one row per 32-bit lane: for each block, the sixteen rows' 16 bytes of nibbles become
-/// four registers (lane `r`: row `r`'s bytes `4t..4t + 4`; loaded and transposed as 4 x 4
-/// dwords within each 128-bit lane, or gathered for a last group of fewer than sixteen
-/// rows: the loads made a quantized decode step 2-4 % faster than four gathers, measured
-/// with the two builds in turns), whose low and high nibbles are the block's values
+/// four registers (lane `r`: row `r`'s bytes `4t..4t + 4`), whose low and high nibbles are the block's values
 /// `4t..4t + 4` and `16 + 4t..`; the rows' scales (and minimums) are loaded and
 /// transposed the same way (a gather of sixteen before: 13 % of the kernel on Zen 5).
 /// Each input's block is then eight byte dot products against its activations' matching
@@ -1157,26 +1302,41 @@ impl Q4Rows {
 /// the two multiply-adds of [`rows_q4_avx2`] in its order (the rows' scales times the
 /// activations' scale, then the minimums' term), so that both levels give the same bits.
 /// A row's arithmetic is its own lane's, whatever rows share the register and however
-/// many inputs run. `examples/qproducts_probe.rs`, one thread, AMD EPYC Zen 5, ns per
-/// block of 16 x 32 (two runs each, builds in turns): 8 inputs 22.0-22.5 -> 20.2-20.3
-/// from memory and 21.1 -> 19.1 hot; 1 input hot 8.4-8.5 -> 6.8-6.9.
+/// many inputs run.
+///
+/// An interleaved group ([`interleave`]) gives the heads and the four registers as five
+/// plain loads from one stream per block. Rows kept row-major (a last group of fewer
+/// than sixteen, or rows of a range that starts or ends inside a group, rebuilt first)
+/// are loaded and transposed as 4 x 4 dwords within each 128-bit lane, or gathered for
+/// fewer than sixteen rows (the loads made a quantized decode step 2-4 % faster than
+/// four gathers, and the scales' loads, a gather of sixteen before, saved 13 % of the
+/// kernel on Zen 5). `examples/qproducts_probe.rs`, AMD EPYC Zen 4, ns per block of 16 x
+/// 32, two runs of 5 rounds, builds in turns, stored layout -> interleaved: one thread,
+/// from memory, 1 input 27.8-34.2 -> 25.1-26.0 and 8 inputs 39.0-49.2 -> 40.5-41.0; the
+/// o matrix hot, 12.6-16.7 -> 7.9-8.2 and 29.2-35.8 -> 26.6-27.7; two threads from
+/// memory 41.0-43.4 -> 30.9-35.7 and 60.4-65.6 -> 49.2-51.6.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by input
-unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize, first: usize, acts: &Acts<'_, M>, outs: &mut [&mut [f32]]) {
+unsafe fn rows_q4_vnni<const F: u8, const M: usize>(q4: Q4Bytes<'_>, row_bytes: usize, first: usize, acts: &Acts<'_, M>, outs: &mut [&mut [f32]]) {
     use std::arch::x86_64::*;
     let f = Format::from_id(F);
-    let Q4Rows { bytes, values_at, n, rows } = Q4Rows::checked(f, qs, row_bytes, first, acts, outs);
+    let Q4Rows { bytes, values_at, n, rows } = Q4Rows::checked(f, q4.qs, row_bytes, first, acts, outs);
     assert!(row_bytes * 16 <= i32::MAX as usize);
     let offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(row_bytes as i32));
     let low4 = _mm512_set1_epi8(0x0F);
+    let mut rebuilt = Vec::new();
     for g in (0..rows).step_by(16) {
-        let mask: __mmask16 = if rows - g >= 16 { 0xFFFF } else { (1u16 << (rows - g)) - 1 };
-        let base = qs.as_ptr().add((first + g) * row_bytes);
+        let (row, count) = (first + g, (rows - g).min(16));
+        let mask: __mmask16 = if count == 16 { 0xFFFF } else { (1u16 << count) - 1 };
+        // one interleaved group, read as it is kept; any other rows row-major
+        let whole = row.is_multiple_of(GROUP) && row + GROUP <= q4.grouped && count == 16;
+        let at = q4.qs.as_ptr().add(row * row_bytes);
+        let base = if whole { at } else { q4.row_major(f, row_bytes, row, count, &mut rebuilt) };
         let mut acc = [_mm512_setzero_ps(); M];
-        // the sixteen rows are one stretch of memory: the next group's, a block's share
-        // of it at each block
-        let (next, share) = (base.wrapping_add(16 * row_bytes), 16 * bytes);
+        // the sixteen rows are one stretch of memory (in either layout): the next group's,
+        // a block's share of it at each block
+        let (next, share) = (at.wrapping_add(16 * row_bytes), 16 * bytes);
         for b in 0..n {
             let p = base.add(b * bytes);
             for line in (0..share).step_by(64) {
@@ -1188,7 +1348,18 @@ unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize,
                     _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), mask, offsets, p.add($at) as *const _)
                 };
             }
-            let (heads, packed) = if mask == 0xFFFF {
+            let (heads, packed) = if whole {
+                // the group's block: the sixteen heads, then the nibbles as the four
+                // registers ([`interleave`]); a Q4_0 head (the scale alone) widened to
+                // the dword the transposed loads give
+                let run = base.add(b * share);
+                let heads = match f {
+                    Format::Q4_0 => _mm512_cvtepu16_epi32(_mm256_loadu_si256(run as *const __m256i)),
+                    _ => _mm512_loadu_si512(run as *const _),
+                };
+                let nibbles = run.add(GROUP * values_at);
+                (heads, std::array::from_fn(|t| _mm512_loadu_si512(nibbles.add(64 * t) as *const _)))
+            } else if mask == 0xFFFF {
                 // a full group: each row's 16 bytes at `at` loaded (rows k, k + 4, k + 8,
                 // k + 12 in the four 128-bit lanes of the k-th register) and transposed as
                 // 4 x 4 dwords within each lane, which gives lane r row r's bytes
@@ -1253,9 +1424,10 @@ unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize,
 }
 
 /// [`rows_q4_vnni`] for AVX2 (no VNNI, no gathers): eight rows at once, one row per
-/// 32-bit lane. For each block the eight rows' 16 bytes of nibbles are loaded and
-/// transposed (two rows per register, then two rounds of interleaving) into four
-/// registers whose lane `r` holds row `r`'s bytes `4t..4t + 4`. Each input's block is
+/// 32-bit lane, four registers whose lane `r` holds row `r`'s bytes `4t..4t + 4`: one
+/// half of an interleaved group ([`interleave`]) as five plain loads per block (the
+/// `half`-th 256 bits of each of the group's 512-bit runs), other rows loaded and
+/// transposed (two rows per register, then two rounds of interleaving). Each input's block is
 /// eight unsigned-by-signed byte products (`maddubs`) against its activations' matching
 /// four bytes (broadcast), added as 16-bit sums (at most 8 · 2 · 15 · 127 = 30,480:
 /// no overflow) and widened once, so every lane holds its row's block sum exactly. Then
@@ -1264,36 +1436,59 @@ unsafe fn rows_q4_vnni<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize,
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by input
-unsafe fn rows_q4_avx2<const F: u8, const M: usize>(qs: &[u8], row_bytes: usize, first: usize, acts: &Acts<'_, M>, outs: &mut [&mut [f32]]) {
+unsafe fn rows_q4_avx2<const F: u8, const M: usize>(q4: Q4Bytes<'_>, row_bytes: usize, first: usize, acts: &Acts<'_, M>, outs: &mut [&mut [f32]]) {
     use std::arch::x86_64::*;
     let f = Format::from_id(F);
-    let Q4Rows { bytes, values_at, n, rows } = Q4Rows::checked(f, qs, row_bytes, first, acts, outs);
+    let Q4Rows { bytes, values_at, n, rows } = Q4Rows::checked(f, q4.qs, row_bytes, first, acts, outs);
     let (low4, low16, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi32(0xFFFF), _mm256_set1_epi16(1));
+    let mut rebuilt = Vec::new();
     for g in (0..rows).step_by(8) {
-        let count = (rows - g).min(8);
-        let base = qs.as_ptr().add((first + g) * row_bytes);
+        let (row, count) = (first + g, (rows - g).min(8));
+        // half `half` of one interleaved group, read as it is kept (the group's other half
+        // shares its cache lines); any other rows row-major
+        let (group, half) = (row / GROUP * GROUP, row % GROUP / 8);
+        let whole = row.is_multiple_of(8) && group + GROUP <= q4.grouped && count == 8;
+        let base = if whole { q4.qs.as_ptr().add(group * row_bytes) } else { q4.row_major(f, row_bytes, row, count, &mut rebuilt) };
         // a last group of fewer than eight rows reads its last row again in the spare lanes
         let row_at: [*const u8; 8] = std::array::from_fn(|r| base.add(r.min(count - 1) * row_bytes));
-        let (next, share) = (base.wrapping_add(8 * row_bytes), 8 * bytes);
+        // the rows are one stretch of memory (in either layout): the next group's, a
+        // block's share of it at each block (an interleaved group's whole stretch while
+        // its first half is read)
+        let (next, share) = match (whole, half) {
+            (true, 0) => (base.wrapping_add(GROUP * row_bytes), GROUP * bytes),
+            (true, _) => (base, 0),
+            _ => (q4.qs.as_ptr().wrapping_add((row + 8) * row_bytes), 8 * bytes),
+        };
         let mut acc = [_mm256_setzero_ps(); M];
         for b in 0..n {
-            // the eight rows are one stretch of memory: the next group's, a block's share
-            // of it at each block
             for line in (0..share).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(b * share + line) as *const i8);
             }
-            let at = |r: usize| row_at[r].add(b * bytes);
-            let load = |r: usize| _mm_loadu_si128(at(r).add(values_at) as *const __m128i);
-            // rows r and r + 4 in one register
-            let z: [__m256i; 4] = std::array::from_fn(|r| _mm256_set_m128i(load(r + 4), load(r)));
-            let (t0, t1) = (_mm256_unpacklo_epi32(z[0], z[1]), _mm256_unpackhi_epi32(z[0], z[1]));
-            let (t2, t3) = (_mm256_unpacklo_epi32(z[2], z[3]), _mm256_unpackhi_epi32(z[2], z[3]));
-            // packed[t], lane r: row r's bytes 4t..4t + 4
-            let packed = [_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)];
-            // the eight rows' first four bytes: the scale and (Q4_1) the minimum, as
-            // half-precision numbers; read as one register, not through memory
-            let h = |r: usize| std::ptr::read_unaligned(at(r) as *const i32);
-            let head = _mm256_setr_epi32(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
+            let (head, packed) = if whole {
+                // the group's block: the heads, then the nibbles as four 512-bit registers
+                // ([`interleave`]), this half's eight rows the `half`-th 256 bits of each;
+                // a Q4_0 head (the scale alone) widened to the dword the rows' reads give
+                let run = base.add(b * GROUP * bytes);
+                let head = match f {
+                    Format::Q4_0 => _mm256_cvtepu16_epi32(_mm_loadu_si128(run.add(16 * half) as *const __m128i)),
+                    _ => _mm256_loadu_si256(run.add(32 * half) as *const __m256i),
+                };
+                let nibbles = run.add(GROUP * values_at + 32 * half);
+                (head, std::array::from_fn(|t| _mm256_loadu_si256(nibbles.add(64 * t) as *const __m256i)))
+            } else {
+                let at = |r: usize| row_at[r].add(b * bytes);
+                let load = |r: usize| _mm_loadu_si128(at(r).add(values_at) as *const __m128i);
+                // rows r and r + 4 in one register
+                let z: [__m256i; 4] = std::array::from_fn(|r| _mm256_set_m128i(load(r + 4), load(r)));
+                let (t0, t1) = (_mm256_unpacklo_epi32(z[0], z[1]), _mm256_unpackhi_epi32(z[0], z[1]));
+                let (t2, t3) = (_mm256_unpacklo_epi32(z[2], z[3]), _mm256_unpackhi_epi32(z[2], z[3]));
+                // the eight rows' first four bytes: the scale and (Q4_1) the minimum, as
+                // half-precision numbers; read as one register, not through memory
+                let h = |r: usize| std::ptr::read_unaligned(at(r) as *const i32);
+                let head = _mm256_setr_epi32(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
+                // packed[t], lane r: row r's bytes 4t..4t + 4
+                (head, [_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)])
+            };
             // lanes 0..8: the eight scales; 8..16: the eight second halves
             let halves = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(_mm256_and_si256(head, low16), _mm256_srli_epi32::<16>(head)));
             let d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
@@ -1528,7 +1723,7 @@ mod tests {
             for r in 0..rows {
                 let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum();
                 let scale: f64 = (0..cols).map(|c| (w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
-                let row = &m.qs[r * m.row_bytes()..(r + 1) * m.row_bytes()];
+                let row = &m.stored_row(r);
                 let exact_sums: Vec<f32> = x.chunks(BLOCK / 2).map(|b| b.iter().sum()).collect();
                 let float = dot_blocks_float(f, row, &x, &exact_sums) as f64;
                 assert!((float - want).abs() <= 1e-5 * (1e-3 + scale), "{f:?} row {r}, float path: {float} vs {want}");
@@ -1613,6 +1808,64 @@ mod tests {
             }
         }
         assert!(QMatrix::new(QKind::F16, 2, 3, vec![0; 11]).is_err());
+    }
+
+    /// Q4_0 and Q4_1 kept in interleaved groups of rows: every row rebuilt as stored, the
+    /// same dequantized rows, and products bit-identical to the same bytes kept row-major,
+    /// for one to nine inputs on each integer kernel this CPU runs, over row ranges that
+    /// take whole groups, halves of groups (the AVX2 kernel's eight rows), and ranges that
+    /// start or end inside one; stacks of parts whose last group is not whole.
+    #[test]
+    fn interleaved_groups_equal_the_stored_rows() {
+        use crate::kernels::blocks::tests::random_blocks;
+        for f in [Format::Q4_0, Format::Q4_1] {
+            let cols = 17 * 32;
+            let kept = |rows: usize, seed: u64, group: bool| {
+                let data = random_blocks(f, rows * cols / 32, seed);
+                (QMatrix::kept(f, rows, cols, data.clone(), group), data)
+            };
+            for rows in [40, 16, 7] {
+                let ((grouped, data), (plain, _)) = (kept(rows, 9, true), kept(rows, 9, false));
+                let row_bytes = grouped.row_bytes();
+                assert_eq!(grouped.qs.len(), data.len());
+                assert_eq!(grouped.qs != data, rows >= GROUP, "{f:?}, {rows} rows: interleaved only where a group is whole");
+                for r in 0..rows {
+                    assert_eq!(*grouped.stored_row(r), data[r * row_bytes..(r + 1) * row_bytes], "{f:?} row {r} of {rows}");
+                }
+                assert_eq!(grouped.dequantize(), plain.dequantize(), "{f:?}, {rows} rows");
+                let xs: Vec<Vec<f32>> = (0..9).map(|k| (0..cols).map(|i| (((i + 5 * k) * 37 % 23) as f32 - 11.0) / 3.0).collect()).collect();
+                for vnni in levels() {
+                    let inputs: Vec<QInput> = xs.iter().map(|x| QMatrix::prepare_for(x, vnni)).collect();
+                    let ranges = [(0, rows), (16, rows.saturating_sub(16)), (8, rows.saturating_sub(8).min(16)), (1, rows - 1), (3, 5.min(rows - 3))];
+                    for (first, n) in ranges.into_iter().filter(|&(first, n)| n > 0 && first + n <= rows) {
+                        for m in 1..=inputs.len() {
+                            let refs: Vec<&QInput> = inputs[..m].iter().collect();
+                            let run = |mat: &QMatrix| {
+                                let mut outs = vec![vec![0f32; n]; m];
+                                let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+                                mat.mul_rows_batch(&refs, first, &mut views);
+                                outs
+                            };
+                            let got = run(&grouped);
+                            assert_eq!(got, run(&plain), "{f:?}, {rows} rows from {first}, {m} inputs (AVX-512: {vnni})");
+                            let mut alone = vec![0f32; n];
+                            grouped.mul_rows(&inputs[0], first, &mut alone);
+                            assert_eq!(alone, got[0], "{f:?}, {rows} rows from {first}, alone");
+                        }
+                    }
+                }
+            }
+            // parts of 40 (a last half group), 7 and 16 rows: stacked, the rows as stored
+            let parts: Vec<(QMatrix, Vec<u8>)> = [(40, 1), (7, 2), (16, 3)].iter().map(|&(r, seed)| kept(r, seed, true)).collect();
+            let stacked = QMatrix::stack(&parts.iter().map(|(m, _)| m).collect::<Vec<_>>()).unwrap();
+            let data: Vec<u8> = parts.iter().flat_map(|(_, d)| d.iter().copied()).collect();
+            let row_bytes = stacked.row_bytes();
+            assert!(stacked.grouped && stacked.rows == 63);
+            for r in 0..63 {
+                assert_eq!(*stacked.stored_row(r), data[r * row_bytes..(r + 1) * row_bytes], "{f:?} stacked row {r}");
+            }
+            assert_eq!(stacked.dequantize(), QMatrix::kept(f, 63, cols, data, false).dequantize());
+        }
     }
 
     #[test]
