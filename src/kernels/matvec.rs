@@ -85,7 +85,9 @@ impl Prefetch {
     /// second level gave the same as the first; on the Zen 4 (`l2`) the second level gave
     /// the same as none with AVX-512 and less with AVX2 (43-53 -> 33-38 tok/s). Eight rows
     /// at a time: at `l2`, and at `l1` / `l1+l2` with the AVX2 kernel (the AVX-512 kernel,
-    /// `avx512`, keeps up with the memory without first-level prefetches).
+    /// `avx512`, keeps up with the memory without first-level prefetches). The Q4
+    /// kernels' one-input passes over interleaved groups of rows (one stream too) follow
+    /// the one-row answer.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn one_input(self, one_row: bool, avx512: bool) -> bool {
         match self {
