@@ -192,24 +192,31 @@ impl QMatrix {
         Self { kind: QKind::Blocks(f), rows, cols, scales: Vec::new(), qs, grouped }
     }
 
-    /// Row `r`'s kept blocks as stored (rebuilt from its group where interleaved).
-    fn stored_row(&self, r: usize) -> std::borrow::Cow<'_, [u8]> {
-        let mut row = Vec::new();
-        self.stored_row_in(r, &mut row);
-        if row.is_empty() {
-            std::borrow::Cow::Borrowed(&self.qs[r * self.row_bytes()..(r + 1) * self.row_bytes()])
+    /// The rows kept in interleaved groups: the first ones (none when not `grouped`).
+    fn grouped_rows(&self) -> usize {
+        if self.grouped {
+            self.rows / GROUP * GROUP
         } else {
-            std::borrow::Cow::Owned(row)
+            0
         }
     }
 
-    /// [`QMatrix::stored_row`] with the buffer a rebuilt row goes into given (and left
-    /// empty for a row read in place), so that a loop over rows allocates once.
+    /// Row `r`'s kept blocks as stored (rebuilt from its group where interleaved).
+    fn stored_row(&self, r: usize) -> std::borrow::Cow<'_, [u8]> {
+        if r >= self.grouped_rows() {
+            return std::borrow::Cow::Borrowed(&self.qs[r * self.row_bytes()..(r + 1) * self.row_bytes()]);
+        }
+        let mut row = Vec::new();
+        self.stored_row_in(r, &mut row);
+        std::borrow::Cow::Owned(row)
+    }
+
+    /// [`QMatrix::stored_row`] with the buffer a rebuilt row goes into given, so that a
+    /// loop over rows allocates once.
     fn stored_row_in<'s>(&'s self, r: usize, buffer: &'s mut Vec<u8>) -> &'s [u8] {
         let bytes = self.row_bytes();
         let QKind::Blocks(f) = self.kind else { unreachable!("only kept blocks are read as stored rows") };
-        if !self.grouped || r >= self.rows / GROUP * GROUP {
-            buffer.clear();
+        if r >= self.grouped_rows() {
             return &self.qs[r * bytes..(r + 1) * bytes];
         }
         buffer.resize(bytes, 0);
@@ -533,7 +540,7 @@ impl QMatrix {
     /// kept.
     #[cfg(target_arch = "x86_64")]
     fn q4_rows(&self) -> Q4Bytes<'_> {
-        Q4Bytes { qs: &self.qs, grouped: if self.grouped { self.rows / GROUP * GROUP } else { 0 } }
+        Q4Bytes { qs: &self.qs, grouped: self.grouped_rows() }
     }
 }
 
