@@ -413,6 +413,24 @@ trait Lanes {
     unsafe fn score_q8(q: &kv8::QueryHeads<'_>, block: *const f32, d: usize, m: usize, out: *mut f32, stride: usize);
 }
 
+/// `$kernel::<G>` over the query heads `q` (rows of d) in groups of up to 3 (`G` of them a
+/// group), each group's scores into `out` from its first head's row (rows of `stride`):
+/// the grouping [`score16`] and [`Lanes::score_t`] share.
+#[cfg(target_arch = "x86_64")]
+macro_rules! in_head_groups {
+    ($kernel:ident, $q:expr, $k:expr, $d:expr, $m:expr, $out:expr, $stride:expr) => {{
+        let (q, d, out, stride): (&[f32], usize, *mut f32, usize) = ($q, $d, $out, $stride);
+        for r0 in (0..q.len() / d).step_by(3) {
+            let (qr, o) = (q.as_ptr().add(r0 * d), out.add(r0 * stride));
+            match q.len() / d - r0 {
+                1 => $kernel::<1>(qr, $k, d, $m, o, stride),
+                2 => $kernel::<2>(qr, $k, d, $m, o, stride),
+                _ => $kernel::<3>(qr, $k, d, $m, o, stride),
+            }
+        }
+    }};
+}
+
 /// The AVX-512 task: blocks of 16 positions; head sizes that are a multiple of 64.
 /// Scores: for each query head, the 16 keys' products with it stay in 16 registers, and
 /// one transposing reduction (45 instructions) turns them into one register of 16
@@ -441,15 +459,7 @@ impl<const VNNI: bool> Lanes for Avx512<VNNI> {
     }
     #[inline(always)]
     unsafe fn score_t(q: &[f32], kt: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
-        let heads = q.len() / d;
-        for r0 in (0..heads).step_by(3) {
-            let (qr, o) = (q.as_ptr().add(r0 * d), out.add(r0 * stride));
-            match heads - r0 {
-                1 => score16_t_heads::<1>(qr, kt, d, m, o, stride),
-                2 => score16_t_heads::<2>(qr, kt, d, m, o, stride),
-                _ => score16_t_heads::<3>(qr, kt, d, m, o, stride),
-            }
-        }
+        in_head_groups!(score16_t_heads, q, kt, d, m, out, stride)
     }
     #[inline(always)]
     unsafe fn q8_keys(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
@@ -492,15 +502,7 @@ impl<const VNNI: bool> Lanes for Avx512<VNNI> {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn score16(q: &[f32], k: *const f32, d: usize, m: usize, out: *mut f32, stride: usize) {
-    let heads = q.len() / d;
-    for r0 in (0..heads).step_by(3) {
-        let (qr, o) = (q.as_ptr().add(r0 * d), out.add(r0 * stride));
-        match heads - r0 {
-            1 => score16_heads::<1>(qr, k, d, m, o, stride),
-            2 => score16_heads::<2>(qr, k, d, m, o, stride),
-            _ => score16_heads::<3>(qr, k, d, m, o, stride),
-        }
-    }
+    in_head_groups!(score16_heads, q, k, d, m, out, stride)
 }
 
 /// The scores of `G` query heads (`q`: G rows of d) against a block of 16 keys, the
