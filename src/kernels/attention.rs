@@ -781,11 +781,14 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], q8: &[kv8::QueryHeads<'_
             // the block whose rows `k` points at: (first stored element, rows), and whether
             // its float32 keys are transposed in `kt` for the rows that share it
             let (mut held, mut k, mut by_t) = (None, std::ptr::null(), false);
+            // the block row r reads at i0, as `held` names it (rows that name it alike share it)
+            let block_of = |r: usize| (group(r, i0).0.as_ptr(), lanes.min(spans[r].len() - i0));
             let mut rows_left = spans.iter().filter(|s| i0 < s.len()).count();
             for (r, s) in spans.iter().enumerate().filter(|(_, s)| i0 < s.len()) {
                 let (n, m) = (s.len(), lanes.min(s.len() - i0));
                 let (keys, values) = group(r, i0);
-                if held != Some((keys.as_ptr(), m)) {
+                let this = (keys.as_ptr(), m);
+                if held != Some(this) {
                     k = match T::as_q8(keys) {
                         Some(rows) => {
                             L::q8_keys(rows, m, d, block);
@@ -798,14 +801,14 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], q8: &[kv8::QueryHeads<'_
                         ahead.queue(group(r, later).0, true);
                     }
                     ahead.queue(values, false);
-                    held = Some((keys.as_ptr(), m));
+                    held = Some(this);
                     by_t = L::TRANSPOSES && !transposed && {
                         let sharing = spans[r + 1..]
                             .iter()
                             .enumerate()
                             .filter(|(_, s)| i0 < s.len())
                             .take(SHARED_T - 1)
-                            .take_while(|&(j, s)| lanes.min(s.len() - i0) == m && group(r + 1 + j, i0).0.as_ptr() == keys.as_ptr())
+                            .take_while(|&(j, _)| block_of(r + 1 + j) == this)
                             .count();
                         sharing + 1 >= SHARED_T
                     };
