@@ -45,12 +45,15 @@ pub enum QKind {
 }
 
 /// A (rows, cols) matrix of quantized blocks. Q8_0 is repacked at load: the
-/// half-precision block scales become float32 (`scales`) and the values stay as stored
-/// (`qs`: 32 bytes per block), row-major. Every other type is kept byte for byte as
-/// stored, row-major, except that Q4_0 and Q4_1 on x86-64 with the integer kernels keep
-/// each whole group of [`GROUP`] rows interleaved block by block (`grouped`,
-/// [`interleave`]): the same bytes in another order, read by the rows-in-lanes kernels as
-/// one stream and by every other reader through [`QMatrix::stored_row`].
+/// half-precision block scales become float32 (`scales`, row-major) and the values stay
+/// as stored (`qs`: 32 bytes per block), row-major, except that where the VNNI kernel runs
+/// each whole group of [`GROUP`] rows is interleaved block by block (`grouped`,
+/// [`interleave_q8_0`]; other readers go through [`QMatrix::q8_0_row_in`]). Every other
+/// type is kept byte for byte as stored, row-major, except that Q4_0 and Q4_1 on x86-64
+/// with the integer kernels keep each whole group of [`GROUP`] rows interleaved block by
+/// block (`grouped`, [`interleave`]): the same bytes in another order, read by the
+/// rows-in-lanes kernels as one stream and by every other reader through
+/// [`QMatrix::stored_row`].
 pub struct QMatrix {
     kind: QKind,
     rows: usize,
@@ -125,6 +128,32 @@ fn interleave(f: Format, qs: &mut [u8], rows: usize, row_bytes: usize) {
     }
 }
 
+/// Where block `b` of row `i` of a whole group starts in a Q8_0 matrix's interleaved
+/// group ([`interleave_q8_0`]): the group's sixteen rows' 32 bytes of block `b` side by
+/// side, the blocks in order.
+fn q8_0_interleaved_at(b: usize, i: usize) -> usize {
+    (b * GROUP + i) * BLOCK
+}
+
+/// [`interleave`] for Q8_0's repacked values (32 bytes a block; the scales stay
+/// row-major): every whole group of [`GROUP`] rows becomes one run of its rows' block 0,
+/// then their block 1, and so on, in the same bytes of the matrix; a last group of fewer
+/// rows stays row-major. The VNNI kernel ([`rows_q8_0_vnni`]) then reads a group as one
+/// stream where the stored order is sixteen.
+fn interleave_q8_0(qs: &mut [u8], rows: usize, row_bytes: usize) {
+    let mut group = vec![0u8; GROUP * row_bytes];
+    for g in 0..rows / GROUP {
+        let span = &mut qs[g * GROUP * row_bytes..(g + 1) * GROUP * row_bytes];
+        for (i, row) in span.chunks_exact(row_bytes).enumerate() {
+            for (b, block) in row.chunks_exact(BLOCK).enumerate() {
+                let at = q8_0_interleaved_at(b, i);
+                group[at..at + BLOCK].copy_from_slice(block);
+            }
+        }
+        span.copy_from_slice(&group);
+    }
+}
+
 impl QKind {
     /// Bytes of one GGUF block: half-precision scales, then the quantized values.
     fn block_bytes(self) -> usize {
@@ -179,7 +208,17 @@ impl QMatrix {
         }
         qs.truncate(blocks * per);
         qs.shrink_to_fit();
-        Ok(Self { kind, rows, cols, scales, qs, grouped: false })
+        Ok(Self::q8_0(rows, cols, scales, qs, cfg!(target_arch = "x86_64") && has_vnni()))
+    }
+
+    /// Repacked Q8_0 blocks, each whole group of rows interleaved when `group`
+    /// ([`interleave_q8_0`]: where the VNNI kernel runs; the tests build both layouts on
+    /// one CPU).
+    fn q8_0(rows: usize, cols: usize, scales: Vec<f32>, mut qs: Vec<u8>, group: bool) -> Self {
+        if group {
+            interleave_q8_0(&mut qs, rows, cols / BLOCK * QKind::Q8_0.qs_per_block());
+        }
+        Self { kind: QKind::Q8_0, rows, cols, scales, qs, grouped: group }
     }
 
     /// Kept blocks (sizes checked), Q4_0 and Q4_1 interleaved by groups of rows when
@@ -262,14 +301,12 @@ impl QMatrix {
             }
             return;
         }
-        let per = self.kind.qs_per_block();
-        let blocks = self.cols / BLOCK;
-        let qs = &self.qs[first * blocks * per..(first + n) * blocks * per];
-        for (i, qs) in qs.chunks_exact(per).enumerate() {
-            let b = first * blocks + i;
-            match self.kind {
-                QKind::Q8_0 => out.extend(qs.iter().map(|q| self.scales[b] * (*q as i8) as f32)),
-                QKind::Blocks(_) | QKind::F16 | QKind::BF16 => unreachable!("handled above"),
+        debug_assert_eq!(self.kind, QKind::Q8_0);
+        let mut row = Vec::new();
+        for r in first..first + n {
+            let Row { scales, qs } = self.q8_0_row_in(r, &mut row);
+            for (&d, qs) in scales.iter().zip(qs.chunks_exact(BLOCK)) {
+                out.extend(qs.iter().map(|q| d * (*q as i8) as f32));
             }
         }
     }
@@ -381,16 +418,28 @@ impl QMatrix {
             }
             return;
         }
+        let mut row = Vec::new();
         for (i, o) in out.iter_mut().enumerate() {
-            *o = dot_q8_0(self.q8_0_row(first + i), &input.x);
+            *o = dot_q8_0(self.q8_0_row_in(first + i, &mut row), &input.x);
         }
     }
 
-    /// Row `r` of a Q8_0 matrix.
-    fn q8_0_row(&self, r: usize) -> Row<'_> {
+    /// Row `r` of a Q8_0 matrix: its values rebuilt into `buffer` where its group is
+    /// interleaved ([`interleave_q8_0`]), so that a loop over rows allocates once.
+    fn q8_0_row_in<'s>(&'s self, r: usize, buffer: &'s mut Vec<u8>) -> Row<'s> {
         let blocks = self.cols / BLOCK;
         let (sn, qn) = (blocks * self.kind.scales_per_block(), blocks * self.kind.qs_per_block());
-        Row { scales: &self.scales[r * sn..(r + 1) * sn], qs: &self.qs[r * qn..(r + 1) * qn] }
+        let scales = &self.scales[r * sn..(r + 1) * sn];
+        if r >= self.grouped_rows() {
+            return Row { scales, qs: &self.qs[r * qn..(r + 1) * qn] };
+        }
+        let group = &self.qs[r / GROUP * GROUP * qn..][..GROUP * qn];
+        buffer.clear();
+        for b in 0..blocks {
+            let at = q8_0_interleaved_at(b, r % GROUP);
+            buffer.extend_from_slice(&group[at..at + BLOCK]);
+        }
+        Row { scales, qs: buffer }
     }
 
     /// [`QMatrix::mul_rows`] for several inputs (`outs[m]` for `inputs[m]`): with the
@@ -446,11 +495,12 @@ impl QMatrix {
         if self.rows_in_lanes(acts, first, outs) {
             return;
         }
+        let mut row = Vec::new();
         for i in 0..n {
             let r = first + i;
             let dots = match self.kind {
                 QKind::Blocks(f) => dot_blocks_q8(f, &self.stored_row(r), acts),
-                QKind::Q8_0 => dot_q8_0_int8(self.q8_0_row(r), acts),
+                QKind::Q8_0 => dot_q8_0_int8(self.q8_0_row_in(r, &mut row), acts),
                 QKind::F16 | QKind::BF16 => unreachable!("16-bit rows multiply float32 inputs"),
             };
             for (out, dot) in outs.iter_mut().zip(dots) {
@@ -485,7 +535,7 @@ impl QMatrix {
             match self.kind {
                 QKind::Blocks(Format::Q4_0) => unsafe { rows_q4_vnni::<{ Format::Q4_0 as u8 }, M>(self.q4_rows(), row_bytes, first, acts, outs) },
                 QKind::Blocks(Format::Q4_1) => unsafe { rows_q4_vnni::<{ Format::Q4_1 as u8 }, M>(self.q4_rows(), row_bytes, first, acts, outs) },
-                QKind::Q8_0 => unsafe { rows_q8_0_vnni::<M>(&self.scales, &self.qs, self.cols / BLOCK, first, acts, outs) },
+                QKind::Q8_0 => unsafe { rows_q8_0_vnni::<M>(&self.scales, &self.qs, self.grouped_rows(), self.cols / BLOCK, first, acts, outs) },
                 _ => return false,
             }
             return true;
@@ -526,14 +576,19 @@ impl QMatrix {
             }
             return Some(Self::kept(f, rows, first.cols, qs, first.grouped));
         }
-        Some(QMatrix {
-            kind: first.kind,
-            rows,
-            cols: first.cols,
-            scales: parts.iter().flat_map(|p| p.scales.iter().copied()).collect(),
-            qs: parts.iter().flat_map(|p| p.qs.iter().copied()).collect(),
-            grouped: false,
-        })
+        let scales = parts.iter().flat_map(|p| p.scales.iter().copied()).collect();
+        if first.kind == QKind::Q8_0 {
+            // as Q4: the rows as stored, stacked, then grouped again
+            let mut qs = Vec::with_capacity(rows * first.row_bytes());
+            let mut row = Vec::new();
+            for p in parts {
+                for r in 0..p.rows {
+                    qs.extend_from_slice(p.q8_0_row_in(r, &mut row).qs);
+                }
+            }
+            return Some(Self::q8_0(rows, first.cols, scales, qs, first.grouped));
+        }
+        Some(QMatrix { kind: first.kind, rows, cols: first.cols, scales, qs: parts.iter().flat_map(|p| p.qs.iter().copied()).collect(), grouped: false })
     }
 
     /// A Q4_0 or Q4_1 matrix's bytes for the rows-in-lanes kernels, with how its rows are
@@ -1177,7 +1232,11 @@ unsafe fn dot_small_q8_body<const F: u8, const M: usize, const VNNI: bool>(row: 
 /// Q8_0 rows against int8 activations with AVX-512 VNNI, sixteen rows at once, one row
 /// per 32-bit lane, as [`rows_q4_vnni`]: for each block, eight registers of the rows'
 /// bytes `4t..4t + 4` (each row's 32 bytes loaded and transposed in registers,
-/// [`dwords_16x8`]; gathered for a last group of fewer than sixteen rows: on an AMD EPYC
+/// [`dwords_16x8`], from one run of 512 bytes where the first `grouped` rows are
+/// interleaved ([`interleave_q8_0`]: the LM head of the default model from memory, one
+/// input, 1.74-1.98 -> 1.16-1.36 ns a block-row, eight inputs 2.90-3.34 -> 2.38-2.58,
+/// `examples/q8_0_probe.rs`, AMD EPYC Zen 4, 2026-12-07, three runs each in turns);
+/// gathered for a last group of fewer than sixteen rows: on an AMD EPYC
 /// Zen 4, whose gathers are slow, the loads took a block of one row for one input from
 /// 2.8 to 0.8 ns from the second-level cache and from 2.8 to 1.3-1.4 from memory, for
 /// eight inputs 3.9 -> 1.8 and 4.1 -> 2.7-2.9, `examples/q8_0_probe.rs` in turns; on the
@@ -1192,18 +1251,44 @@ unsafe fn dot_small_q8_body<const F: u8, const M: usize, const VNNI: bool>(row: 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[allow(clippy::needless_range_loop)] // register arrays indexed by input
-unsafe fn rows_q8_0_vnni<const M: usize>(scales: &[f32], qs: &[u8], blocks: usize, first: usize, acts: &Acts<'_, M>, outs: &mut [&mut [f32]]) {
+unsafe fn rows_q8_0_vnni<const M: usize>(scales: &[f32], qs: &[u8], grouped: usize, blocks: usize, first: usize, acts: &Acts<'_, M>, outs: &mut [&mut [f32]]) {
     use std::arch::x86_64::*;
     let (row_bytes, rows) = (blocks * 32, outs[0].len());
     assert!(qs.len() >= (first + rows) * row_bytes && scales.len() >= (first + rows) * blocks && row_bytes * 16 <= i32::MAX as usize);
+    assert!(grouped.is_multiple_of(GROUP) && grouped * row_bytes <= qs.len());
+    // the rows of a range that starts or ends inside an interleaved group, rebuilt
+    // row-major (callers split matrices by `row_group`, so this is a range's edge at most)
+    let mut rebuilt = Vec::new();
     assert!((0..M).all(|m| outs[m].len() == rows && acts.xq[m].len() >= blocks * BLOCK && acts.xd[m].len() >= blocks && acts.starts[m].len() >= blocks));
     let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     let (offsets, scale_offsets) = (_mm512_mullo_epi32(lanes, _mm512_set1_epi32(row_bytes as i32)), _mm512_mullo_epi32(lanes, _mm512_set1_epi32(blocks as i32)));
     let flip = _mm512_set1_epi8(-128);
     for g in (0..rows).step_by(16) {
         let mask: __mmask16 = if rows - g >= 16 { 0xFFFF } else { (1u16 << (rows - g)) - 1 };
-        let (base, scale_base) = (qs.as_ptr().add((first + g) * row_bytes), scales.as_ptr().add((first + g) * blocks));
-        let (next, next_scales) = (base.wrapping_add(16 * row_bytes), scale_base.wrapping_add(16 * blocks) as *const u8);
+        let (r0, k) = (first + g, (rows - g).min(GROUP));
+        let stored = qs.as_ptr().add(r0 * row_bytes);
+        // where this group's bytes are read from, and whether as one interleaved group
+        let (base, interleaved) = if r0 >= grouped {
+            (stored, false)
+        } else if r0.is_multiple_of(GROUP) && k == GROUP {
+            (stored, true)
+        } else {
+            rebuilt.clear();
+            for r in r0..r0 + k {
+                if r < grouped {
+                    let group = &qs[r / GROUP * GROUP * row_bytes..][..GROUP * row_bytes];
+                    for b in 0..blocks {
+                        let at = q8_0_interleaved_at(b, r % GROUP);
+                        rebuilt.extend_from_slice(&group[at..at + BLOCK]);
+                    }
+                } else {
+                    rebuilt.extend_from_slice(&qs[r * row_bytes..(r + 1) * row_bytes]);
+                }
+            }
+            (rebuilt.as_ptr(), false)
+        };
+        let scale_base = scales.as_ptr().add(r0 * blocks);
+        let (next, next_scales) = (stored.wrapping_add(16 * row_bytes), scale_base.wrapping_add(16 * blocks) as *const u8);
         let mut acc = [_mm512_setzero_ps(); M];
         // the rows' scales of eight blocks at a time (register k: block b + k's)
         let mut scales8 = [_mm512_setzero_ps(); 8];
@@ -1226,7 +1311,10 @@ unsafe fn rows_q8_0_vnni<const M: usize>(scales: &[f32], qs: &[u8], blocks: usiz
             }
             _mm_prefetch::<_MM_HINT_T1>(next_scales.wrapping_add(b * 64) as *const i8);
             let p = base.add(b * 32);
-            let words: [__m512i; 8] = if mask == 0xFFFF {
+            let words: [__m512i; 8] = if interleaved {
+                // an interleaved group: its rows' 32 bytes side by side, transposed
+                dwords_16x8(&std::array::from_fn(|r| _mm256_loadu_si256(base.add(q8_0_interleaved_at(b, r)) as *const __m256i)))
+            } else if mask == 0xFFFF {
                 // a full group: each row's 32 bytes loaded and transposed in registers
                 dwords_16x8(&std::array::from_fn(|r| _mm256_loadu_si256(p.add(r * row_bytes) as *const __m256i)))
             } else {
@@ -1698,14 +1786,13 @@ mod tests {
         let w = m.dequantize();
         // int8 activations (AVX2 / NEON path) cost about 1/254 of each block's largest value
         let tol = if simd() { 1e-2 } else { 1e-4 };
-        let blocks = cols / BLOCK;
+        let mut buffer = Vec::new();
         for r in 0..rows {
             let want: f64 = (0..cols).map(|c| w[r * cols + c] as f64 * x[c] as f64).sum();
             let scale: f64 = (0..cols).map(|c| (w[r * cols + c] as f64 * x[c] as f64).abs()).sum();
             assert!((got[r] as f64 - want).abs() <= tol * (1e-3 + scale), "row {r} (AVX-512: {vnni}): {} vs {want}", got[r]);
             // the portable path, whatever the CPU
-            let row = Row { scales: &m.scales[r * blocks..(r + 1) * blocks], qs: &m.qs[r * blocks * 32..(r + 1) * blocks * 32] };
-            let portable = dot_q8_0(row, x) as f64;
+            let portable = dot_q8_0(m.q8_0_row_in(r, &mut buffer), x) as f64;
             assert!((portable - want).abs() <= 1e-4 * (1.0 + scale), "row {r}, portable: {portable} vs {want}");
         }
     }
@@ -1897,6 +1984,63 @@ mod tests {
             }
             assert_eq!(stacked.dequantize(), QMatrix::kept(f, 63, cols, data, false).dequantize());
         }
+    }
+
+    /// Q8_0 rows interleaved by whole groups ([`interleave_q8_0`]) read back as the rows
+    /// stored row-major, dequantize alike, and give products bit-identical to the same
+    /// bytes kept row-major, for one to nine inputs on each integer kernel this CPU runs,
+    /// over ranges of whole groups, ranges that start or end inside one and a last group
+    /// of fewer rows; stacks of parts whose last group is not whole.
+    #[test]
+    fn q8_0_interleaved_groups_equal_the_stored_rows() {
+        let cols = 9 * BLOCK;
+        let kept = |rows: usize, seed: u64, group: bool| {
+            let m = random_q8_0(rows, cols, seed);
+            let (scales, qs) = (m.scales.clone(), (0..rows).flat_map(|r| m.q8_0_row_in(r, &mut Vec::new()).qs.to_vec()).collect::<Vec<u8>>());
+            (QMatrix::q8_0(rows, cols, scales, qs.clone(), group), qs)
+        };
+        let row_of = |m: &QMatrix, r: usize| m.q8_0_row_in(r, &mut Vec::new()).qs.to_vec();
+        for rows in [40, 16, 7] {
+            let ((grouped, data), (plain, _)) = (kept(rows, 9, true), kept(rows, 9, false));
+            let row_bytes = grouped.row_bytes();
+            assert_eq!(grouped.qs.len(), data.len());
+            assert_eq!(grouped.qs != data, rows >= GROUP, "{rows} rows: interleaved only where a group is whole");
+            for r in 0..rows {
+                assert_eq!(row_of(&grouped, r), data[r * row_bytes..(r + 1) * row_bytes], "row {r} of {rows}");
+            }
+            assert_eq!(grouped.dequantize(), plain.dequantize(), "{rows} rows");
+            let xs: Vec<Vec<f32>> = (0..9).map(|k| (0..cols).map(|i| (((i + 5 * k) * 37 % 23) as f32 - 11.0) / 3.0).collect()).collect();
+            for vnni in levels() {
+                let inputs: Vec<QInput> = xs.iter().map(|x| QMatrix::prepare_for(x, vnni)).collect();
+                let ranges = [(0, rows), (16, rows.saturating_sub(16)), (8, rows.saturating_sub(8).min(16)), (1, rows - 1), (3, 5.min(rows - 3)), (9, rows.saturating_sub(9))];
+                for (first, n) in ranges.into_iter().filter(|&(first, n)| n > 0 && first + n <= rows) {
+                    for m in 1..=inputs.len() {
+                        let refs: Vec<&QInput> = inputs[..m].iter().collect();
+                        let run = |mat: &QMatrix| {
+                            let mut outs = vec![vec![0f32; n]; m];
+                            let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+                            mat.mul_rows_batch(&refs, first, &mut views);
+                            outs
+                        };
+                        let got = run(&grouped);
+                        assert_eq!(got, run(&plain), "{rows} rows from {first}, {m} inputs (AVX-512: {vnni})");
+                        let mut alone = vec![0f32; n];
+                        grouped.mul_rows(&inputs[0], first, &mut alone);
+                        assert_eq!(alone, got[0], "{rows} rows from {first}, alone");
+                    }
+                }
+            }
+        }
+        let parts: Vec<(QMatrix, Vec<u8>)> = [(40, 1), (7, 2), (16, 3)].iter().map(|&(r, seed)| kept(r, seed, true)).collect();
+        let stacked = QMatrix::stack(&parts.iter().map(|(m, _)| m).collect::<Vec<_>>()).unwrap();
+        let data: Vec<u8> = parts.iter().flat_map(|(_, d)| d.iter().copied()).collect();
+        let row_bytes = stacked.row_bytes();
+        assert!(stacked.grouped && stacked.rows == 63);
+        for r in 0..63 {
+            assert_eq!(row_of(&stacked, r), data[r * row_bytes..(r + 1) * row_bytes], "stacked row {r}");
+        }
+        let scales: Vec<f32> = parts.iter().flat_map(|(m, _)| m.scales.iter().copied()).collect();
+        assert_eq!(stacked.dequantize(), QMatrix::q8_0(63, cols, scales, data, false).dequantize());
     }
 
     #[test]
