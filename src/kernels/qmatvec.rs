@@ -1928,6 +1928,35 @@ mod tests {
         assert!(QMatrix::new(QKind::F16, 2, 3, vec![0; 11]).is_err());
     }
 
+    /// Products of `grouped` (rows kept interleaved) against the same bytes kept row-major
+    /// (`plain`), bit for bit, for one to nine inputs on each integer kernel this CPU runs,
+    /// over ranges of whole groups, halves of groups (the AVX2 Q4 kernel's eight rows) and
+    /// ranges that start or end inside one; and one input alone as the batch's first.
+    fn products_equal_row_major(grouped: &QMatrix, plain: &QMatrix, what: &str) {
+        let (rows, cols) = (grouped.rows, grouped.cols);
+        let xs: Vec<Vec<f32>> = (0..9).map(|k| (0..cols).map(|i| (((i + 5 * k) * 37 % 23) as f32 - 11.0) / 3.0).collect()).collect();
+        for vnni in levels() {
+            let inputs: Vec<QInput> = xs.iter().map(|x| QMatrix::prepare_for(x, vnni)).collect();
+            let ranges = [(0, rows), (16, rows.saturating_sub(16)), (8, rows.saturating_sub(8).min(16)), (1, rows - 1), (3, 5.min(rows - 3)), (9, rows.saturating_sub(9))];
+            for (first, n) in ranges.into_iter().filter(|&(first, n)| n > 0 && first + n <= rows) {
+                for m in 1..=inputs.len() {
+                    let refs: Vec<&QInput> = inputs[..m].iter().collect();
+                    let run = |mat: &QMatrix| {
+                        let mut outs = vec![vec![0f32; n]; m];
+                        let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+                        mat.mul_rows_batch(&refs, first, &mut views);
+                        outs
+                    };
+                    let got = run(grouped);
+                    assert_eq!(got, run(plain), "{what}, {rows} rows from {first}, {m} inputs (AVX-512: {vnni})");
+                    let mut alone = vec![0f32; n];
+                    grouped.mul_rows(&inputs[0], first, &mut alone);
+                    assert_eq!(alone, got[0], "{what}, {rows} rows from {first}, alone");
+                }
+            }
+        }
+    }
+
     /// Q4_0 and Q4_1 kept in interleaved groups of rows: every row rebuilt as stored, the
     /// same dequantized rows, and products bit-identical to the same bytes kept row-major,
     /// for one to nine inputs on each integer kernel this CPU runs, over row ranges that
@@ -1951,27 +1980,7 @@ mod tests {
                     assert_eq!(*grouped.stored_row(r), data[r * row_bytes..(r + 1) * row_bytes], "{f:?} row {r} of {rows}");
                 }
                 assert_eq!(grouped.dequantize(), plain.dequantize(), "{f:?}, {rows} rows");
-                let xs: Vec<Vec<f32>> = (0..9).map(|k| (0..cols).map(|i| (((i + 5 * k) * 37 % 23) as f32 - 11.0) / 3.0).collect()).collect();
-                for vnni in levels() {
-                    let inputs: Vec<QInput> = xs.iter().map(|x| QMatrix::prepare_for(x, vnni)).collect();
-                    let ranges = [(0, rows), (16, rows.saturating_sub(16)), (8, rows.saturating_sub(8).min(16)), (1, rows - 1), (3, 5.min(rows - 3))];
-                    for (first, n) in ranges.into_iter().filter(|&(first, n)| n > 0 && first + n <= rows) {
-                        for m in 1..=inputs.len() {
-                            let refs: Vec<&QInput> = inputs[..m].iter().collect();
-                            let run = |mat: &QMatrix| {
-                                let mut outs = vec![vec![0f32; n]; m];
-                                let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
-                                mat.mul_rows_batch(&refs, first, &mut views);
-                                outs
-                            };
-                            let got = run(&grouped);
-                            assert_eq!(got, run(&plain), "{f:?}, {rows} rows from {first}, {m} inputs (AVX-512: {vnni})");
-                            let mut alone = vec![0f32; n];
-                            grouped.mul_rows(&inputs[0], first, &mut alone);
-                            assert_eq!(alone, got[0], "{f:?}, {rows} rows from {first}, alone");
-                        }
-                    }
-                }
+                products_equal_row_major(&grouped, &plain, &format!("{f:?}"));
             }
             // parts of 40 (a last half group), 7 and 16 rows: stacked, the rows as stored
             let parts: Vec<(QMatrix, Vec<u8>)> = [(40, 1), (7, 2), (16, 3)].iter().map(|&(r, seed)| kept(r, seed, true)).collect();
@@ -2009,27 +2018,7 @@ mod tests {
                 assert_eq!(row_of(&grouped, r), data[r * row_bytes..(r + 1) * row_bytes], "row {r} of {rows}");
             }
             assert_eq!(grouped.dequantize(), plain.dequantize(), "{rows} rows");
-            let xs: Vec<Vec<f32>> = (0..9).map(|k| (0..cols).map(|i| (((i + 5 * k) * 37 % 23) as f32 - 11.0) / 3.0).collect()).collect();
-            for vnni in levels() {
-                let inputs: Vec<QInput> = xs.iter().map(|x| QMatrix::prepare_for(x, vnni)).collect();
-                let ranges = [(0, rows), (16, rows.saturating_sub(16)), (8, rows.saturating_sub(8).min(16)), (1, rows - 1), (3, 5.min(rows - 3)), (9, rows.saturating_sub(9))];
-                for (first, n) in ranges.into_iter().filter(|&(first, n)| n > 0 && first + n <= rows) {
-                    for m in 1..=inputs.len() {
-                        let refs: Vec<&QInput> = inputs[..m].iter().collect();
-                        let run = |mat: &QMatrix| {
-                            let mut outs = vec![vec![0f32; n]; m];
-                            let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
-                            mat.mul_rows_batch(&refs, first, &mut views);
-                            outs
-                        };
-                        let got = run(&grouped);
-                        assert_eq!(got, run(&plain), "{rows} rows from {first}, {m} inputs (AVX-512: {vnni})");
-                        let mut alone = vec![0f32; n];
-                        grouped.mul_rows(&inputs[0], first, &mut alone);
-                        assert_eq!(alone, got[0], "{rows} rows from {first}, alone");
-                    }
-                }
-            }
+            products_equal_row_major(&grouped, &plain, "Q8_0");
         }
         let parts: Vec<(QMatrix, Vec<u8>)> = [(40, 1), (7, 2), (16, 3)].iter().map(|&(r, seed)| kept(r, seed, true)).collect();
         let stacked = QMatrix::stack(&parts.iter().map(|(m, _)| m).collect::<Vec<_>>()).unwrap();
