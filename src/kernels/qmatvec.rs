@@ -1928,12 +1928,36 @@ mod tests {
         assert!(QMatrix::new(QKind::F16, 2, 3, vec![0; 11]).is_err());
     }
 
-    /// Products of `grouped` (rows kept interleaved) against the same bytes kept row-major
-    /// (`plain`), bit for bit, for one to nine inputs on each integer kernel this CPU runs,
-    /// over ranges of whole groups, halves of groups (the AVX2 Q4 kernel's eight rows) and
-    /// ranges that start or end inside one; and one input alone as the batch's first.
-    fn products_equal_row_major(grouped: &QMatrix, plain: &QMatrix, what: &str) {
-        let (rows, cols) = (grouped.rows, grouped.cols);
+    /// Parts of 40 (a last half group), 7 and 16 rows kept interleaved (`kept(rows, seed,
+    /// true)`) stacked: still interleaved, every row read back (`row_of`) as the parts
+    /// stored it. Returns the stack, the parts' bytes as stored, and the parts.
+    #[allow(clippy::type_complexity)]
+    fn stacked_parts(kept: impl Fn(usize, u64, bool) -> (QMatrix, Vec<u8>), row_of: impl Fn(&QMatrix, usize) -> Vec<u8>, what: &str) -> (QMatrix, Vec<u8>, Vec<(QMatrix, Vec<u8>)>) {
+        let parts: Vec<(QMatrix, Vec<u8>)> = [(40, 1), (7, 2), (16, 3)].iter().map(|&(r, seed)| kept(r, seed, true)).collect();
+        let stacked = QMatrix::stack(&parts.iter().map(|(m, _)| m).collect::<Vec<_>>()).unwrap();
+        let data: Vec<u8> = parts.iter().flat_map(|(_, d)| d.iter().copied()).collect();
+        let row_bytes = stacked.row_bytes();
+        assert!(stacked.grouped && stacked.rows == 63);
+        for r in 0..63 {
+            assert_eq!(row_of(&stacked, r), data[r * row_bytes..(r + 1) * row_bytes], "{what} stacked row {r}");
+        }
+        (stacked, data, parts)
+    }
+
+    /// `grouped` (rows kept interleaved) against the same bytes kept row-major (`plain`;
+    /// `data` those bytes as stored): interleaved only where a group is whole, every row
+    /// read back as stored (`row_of`), the same dequantized rows, and products bit for bit
+    /// for one to nine inputs on each integer kernel this CPU runs, over ranges of whole
+    /// groups, halves of groups (the AVX2 Q4 kernel's eight rows) and ranges that start or
+    /// end inside one; and one input alone as the batch's first.
+    fn interleaved_equals_row_major(grouped: &QMatrix, plain: &QMatrix, data: &[u8], row_of: impl Fn(&QMatrix, usize) -> Vec<u8>, what: &str) {
+        let (rows, cols, row_bytes) = (grouped.rows, grouped.cols, grouped.row_bytes());
+        assert_eq!(grouped.qs.len(), data.len());
+        assert_eq!(grouped.qs != data, rows >= GROUP, "{what}, {rows} rows: interleaved only where a group is whole");
+        for r in 0..rows {
+            assert_eq!(row_of(grouped, r), data[r * row_bytes..(r + 1) * row_bytes], "{what} row {r} of {rows}");
+        }
+        assert_eq!(grouped.dequantize(), plain.dequantize(), "{what}, {rows} rows");
         let xs: Vec<Vec<f32>> = (0..9).map(|k| (0..cols).map(|i| (((i + 5 * k) * 37 % 23) as f32 - 11.0) / 3.0).collect()).collect();
         for vnni in levels() {
             let inputs: Vec<QInput> = xs.iter().map(|x| QMatrix::prepare_for(x, vnni)).collect();
@@ -1973,24 +1997,9 @@ mod tests {
             };
             for rows in [40, 16, 7] {
                 let ((grouped, data), (plain, _)) = (kept(rows, 9, true), kept(rows, 9, false));
-                let row_bytes = grouped.row_bytes();
-                assert_eq!(grouped.qs.len(), data.len());
-                assert_eq!(grouped.qs != data, rows >= GROUP, "{f:?}, {rows} rows: interleaved only where a group is whole");
-                for r in 0..rows {
-                    assert_eq!(*grouped.stored_row(r), data[r * row_bytes..(r + 1) * row_bytes], "{f:?} row {r} of {rows}");
-                }
-                assert_eq!(grouped.dequantize(), plain.dequantize(), "{f:?}, {rows} rows");
-                products_equal_row_major(&grouped, &plain, &format!("{f:?}"));
+                interleaved_equals_row_major(&grouped, &plain, &data, |m, r| m.stored_row(r).to_vec(), &format!("{f:?}"));
             }
-            // parts of 40 (a last half group), 7 and 16 rows: stacked, the rows as stored
-            let parts: Vec<(QMatrix, Vec<u8>)> = [(40, 1), (7, 2), (16, 3)].iter().map(|&(r, seed)| kept(r, seed, true)).collect();
-            let stacked = QMatrix::stack(&parts.iter().map(|(m, _)| m).collect::<Vec<_>>()).unwrap();
-            let data: Vec<u8> = parts.iter().flat_map(|(_, d)| d.iter().copied()).collect();
-            let row_bytes = stacked.row_bytes();
-            assert!(stacked.grouped && stacked.rows == 63);
-            for r in 0..63 {
-                assert_eq!(*stacked.stored_row(r), data[r * row_bytes..(r + 1) * row_bytes], "{f:?} stacked row {r}");
-            }
+            let (stacked, data, _) = stacked_parts(kept, |m, r| m.stored_row(r).to_vec(), &format!("{f:?}"));
             assert_eq!(stacked.dequantize(), QMatrix::kept(f, 63, cols, data, false).dequantize());
         }
     }
@@ -2011,23 +2020,9 @@ mod tests {
         let row_of = |m: &QMatrix, r: usize| m.q8_0_row_in(r, &mut Vec::new()).qs.to_vec();
         for rows in [40, 16, 7] {
             let ((grouped, data), (plain, _)) = (kept(rows, 9, true), kept(rows, 9, false));
-            let row_bytes = grouped.row_bytes();
-            assert_eq!(grouped.qs.len(), data.len());
-            assert_eq!(grouped.qs != data, rows >= GROUP, "{rows} rows: interleaved only where a group is whole");
-            for r in 0..rows {
-                assert_eq!(row_of(&grouped, r), data[r * row_bytes..(r + 1) * row_bytes], "row {r} of {rows}");
-            }
-            assert_eq!(grouped.dequantize(), plain.dequantize(), "{rows} rows");
-            products_equal_row_major(&grouped, &plain, "Q8_0");
+            interleaved_equals_row_major(&grouped, &plain, &data, row_of, "Q8_0");
         }
-        let parts: Vec<(QMatrix, Vec<u8>)> = [(40, 1), (7, 2), (16, 3)].iter().map(|&(r, seed)| kept(r, seed, true)).collect();
-        let stacked = QMatrix::stack(&parts.iter().map(|(m, _)| m).collect::<Vec<_>>()).unwrap();
-        let data: Vec<u8> = parts.iter().flat_map(|(_, d)| d.iter().copied()).collect();
-        let row_bytes = stacked.row_bytes();
-        assert!(stacked.grouped && stacked.rows == 63);
-        for r in 0..63 {
-            assert_eq!(row_of(&stacked, r), data[r * row_bytes..(r + 1) * row_bytes], "stacked row {r}");
-        }
+        let (stacked, data, parts) = stacked_parts(kept, row_of, "Q8_0");
         let scales: Vec<f32> = parts.iter().flat_map(|(m, _)| m.scales.iter().copied()).collect();
         assert_eq!(stacked.dequantize(), QMatrix::q8_0(63, cols, scales, data, false).dequantize());
     }
