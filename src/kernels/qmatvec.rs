@@ -135,6 +135,21 @@ fn q8_0_interleaved_at(b: usize, i: usize) -> usize {
     (b * GROUP + i) * BLOCK
 }
 
+/// Appends row `r` of a Q8_0 matrix's values (`qs`, the first `grouped` rows interleaved
+/// by [`interleave_q8_0`]) to `out` as stored, row-major: rebuilt from its group where
+/// interleaved.
+fn q8_0_stored_row(qs: &[u8], grouped: usize, row_bytes: usize, r: usize, out: &mut Vec<u8>) {
+    if r >= grouped {
+        out.extend_from_slice(&qs[r * row_bytes..(r + 1) * row_bytes]);
+        return;
+    }
+    let group = &qs[r / GROUP * GROUP * row_bytes..][..GROUP * row_bytes];
+    for b in 0..row_bytes / BLOCK {
+        let at = q8_0_interleaved_at(b, r % GROUP);
+        out.extend_from_slice(&group[at..at + BLOCK]);
+    }
+}
+
 /// [`interleave`] for Q8_0's repacked values (32 bytes a block; the scales stay
 /// row-major): every whole group of [`GROUP`] rows becomes one run of its rows' block 0,
 /// then their block 1, and so on, in the same bytes of the matrix; a last group of fewer
@@ -433,12 +448,8 @@ impl QMatrix {
         if r >= self.grouped_rows() {
             return Row { scales, qs: &self.qs[r * qn..(r + 1) * qn] };
         }
-        let group = &self.qs[r / GROUP * GROUP * qn..][..GROUP * qn];
         buffer.clear();
-        for b in 0..blocks {
-            let at = q8_0_interleaved_at(b, r % GROUP);
-            buffer.extend_from_slice(&group[at..at + BLOCK]);
-        }
+        q8_0_stored_row(&self.qs, self.grouped_rows(), qn, r, buffer);
         Row { scales, qs: buffer }
     }
 
@@ -1275,15 +1286,7 @@ unsafe fn rows_q8_0_vnni<const M: usize>(scales: &[f32], qs: &[u8], grouped: usi
         } else {
             rebuilt.clear();
             for r in r0..r0 + k {
-                if r < grouped {
-                    let group = &qs[r / GROUP * GROUP * row_bytes..][..GROUP * row_bytes];
-                    for b in 0..blocks {
-                        let at = q8_0_interleaved_at(b, r % GROUP);
-                        rebuilt.extend_from_slice(&group[at..at + BLOCK]);
-                    }
-                } else {
-                    rebuilt.extend_from_slice(&qs[r * row_bytes..(r + 1) * row_bytes]);
-                }
+                q8_0_stored_row(qs, grouped, row_bytes, r, &mut rebuilt);
             }
             (rebuilt.as_ptr(), false)
         };
