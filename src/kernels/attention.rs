@@ -369,6 +369,20 @@ thread_local! {
     static DECODE: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
+/// A block's value rows as [`Lanes::accumulate`] reads them: `m` float32 rows of d, or
+/// the 8-bit cache's blocks (m × d / 32), widened in registers as [`kv8::widen_into`]
+/// widens them (each value its int8 times its block's scale, exact), so the same float32
+/// values and the same sums. A block of 8-bit values that one row reads is read so, not
+/// widened into a buffer and read back (one row over 2,000 positions of one layer, AMD
+/// Zen 4, one thread: hot 109-113 -> 100-102 us, cold 152-155 -> 134-149 us; no change
+/// with the AVX2 task forced there); a block that several rows read is widened once.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum Values<'a> {
+    F32(*const f32),
+    Q8(&'a [Q8Block]),
+}
+
 /// What an instruction-set version of the decode task supplies to [`rows_task`]: its
 /// block of positions (one register of scores) and its two loops over a block.
 #[cfg(target_arch = "x86_64")]
@@ -386,7 +400,7 @@ trait Lanes {
     /// accumulator (`acc[r * d..][..d]`, weights in `scores` row r of `n`, the block from
     /// `i0`).
     #[allow(clippy::too_many_arguments)]
-    unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize);
+    unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: Values<'_>, d: usize);
     /// Whether [`Lanes::keys_t`] and [`Lanes::score_t`] are there: float32 keys that
     /// several rows score are transposed once (positions in lanes) and scored without
     /// the per-head reduction across lanes, the same bits as [`Lanes::score`].
@@ -483,15 +497,25 @@ impl<const VNNI: bool> Lanes for Avx512<VNNI> {
         }
     }
     #[inline(always)]
-    unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+    unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: Values<'_>, d: usize) {
         let heads = acc.len() / d;
         for r0 in (0..heads).step_by(4) {
             let a = &mut acc[r0 * d..];
+            // each kind of rows its own instance (a branch per position cost eight rows
+            // on one block of 8-bit values, widened once, 4-6 %)
+            macro_rules! heads {
+                ($g:literal) => {
+                    match v {
+                        Values::F32(_) => accumulate::<$g, false>(a, scores, n, r0, i0, m, v, d),
+                        Values::Q8(_) => accumulate::<$g, true>(a, scores, n, r0, i0, m, v, d),
+                    }
+                };
+            }
             match heads - r0 {
-                1 => accumulate::<1>(a, scores, n, r0, i0, m, v, d),
-                2 => accumulate::<2>(a, scores, n, r0, i0, m, v, d),
-                3 => accumulate::<3>(a, scores, n, r0, i0, m, v, d),
-                _ => accumulate::<4>(a, scores, n, r0, i0, m, v, d),
+                1 => heads!(1),
+                2 => heads!(2),
+                3 => heads!(3),
+                _ => heads!(4),
             }
         }
     }
@@ -634,8 +658,7 @@ unsafe fn q8_keys16(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
             _mm512_storeu_si512(at as *mut _, _mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(x)));
             _mm512_storeu_si512(at.add(1) as *mut _, _mm512_srai_epi16::<8>(x));
         }
-        let scales: [f32; LANES] = std::array::from_fn(|j| if j < m { rows[j * groups + g].scale() } else { 0.0 });
-        _mm512_storeu_ps(out.add(d / 2 * LANES + g * LANES), _mm512_loadu_ps(scales.as_ptr()));
+        _mm512_storeu_ps(out.add(d / 2 * LANES + g * LANES), kv8::scales16(&rows[g..], groups, m));
     }
 }
 
@@ -837,15 +860,25 @@ unsafe fn rows_task<L: Lanes, T: Stored>(qs: &[&[f32]], q8: &[kv8::QueryHeads<'_
         }
         for i0 in (0..longest).step_by(lanes) {
             let (mut held, mut v) = (None, std::ptr::null());
+            // the value block row r reads at i0 (rows that name it alike share it)
+            let block_of = |r: usize| (group(r, i0).1.as_ptr(), lanes.min(spans[r].len() - i0));
             for (r, s) in spans.iter().enumerate().filter(|(_, s)| i0 < s.len()) {
                 let m = lanes.min(s.len() - i0);
                 let values = group(r, i0).1;
-                if held != Some((values.as_ptr(), m)) {
-                    // positions past m have zero rows (and their scores are never read)
-                    v = block_rows(values, m, lanes, d, &mut block[..lanes * d]);
-                    held = Some((values.as_ptr(), m));
-                }
-                L::accumulate(&mut acc[r * n_rep * d..(r + 1) * n_rep * d], &scores[offsets[r]..], s.len(), i0, m, v, d);
+                let this = (values.as_ptr(), m);
+                let rows = match T::as_q8(values) {
+                    // 8-bit values no later row reads: widened in registers as they are added
+                    Some(rows) if held != Some(this) && !(r + 1..spans.len()).any(|j| i0 < spans[j].len() && block_of(j) == this) => Values::Q8(rows),
+                    _ => {
+                        if held != Some(this) {
+                            // positions past m have zero rows (and their scores are never read)
+                            v = block_rows(values, m, lanes, d, &mut block[..lanes * d]);
+                            held = Some(this);
+                        }
+                        Values::F32(v)
+                    }
+                };
+                L::accumulate(&mut acc[r * n_rep * d..(r + 1) * n_rep * d], &scores[offsets[r]..], s.len(), i0, m, rows, d);
             }
         }
         parts
@@ -932,12 +965,19 @@ impl Ahead {
 
 /// Adds Σ over the block's `m` positions of weight × value row to the accumulators of
 /// `G` query heads (`sums[g * d..][..d]`, whose weights are scores rows `r0..r0 + G`), 64
-/// dimensions at a time, held in registers over the block.
+/// dimensions at a time, held in registers over the block. `Q8`: the rows are 8-bit
+/// ([`Values`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-unsafe fn accumulate<const G: usize>(sums: &mut [f32], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+unsafe fn accumulate<const G: usize, const Q8: bool>(sums: &mut [f32], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: Values<'_>, d: usize) {
     use std::arch::x86_64::*;
+    let groups = d / QK;
+    let (v, rows) = match v {
+        Values::F32(v) => (v, &[][..]),
+        Values::Q8(rows) => (std::ptr::null(), rows),
+    };
+    debug_assert!(Q8 == v.is_null() && rows.len() >= if Q8 { m * groups } else { 0 });
     for c0 in (0..d).step_by(64) {
         let mut acc = [[_mm512_setzero_ps(); 4]; G];
         for g in 0..G {
@@ -946,8 +986,21 @@ unsafe fn accumulate<const G: usize>(sums: &mut [f32], scores: &[f32], n: usize,
             }
         }
         for i in 0..m {
-            let row = v.add(i * d + c0);
-            let vb = [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)), _mm512_loadu_ps(row.add(32)), _mm512_loadu_ps(row.add(48))];
+            let vb = if !Q8 {
+                let row = v.add(i * d + c0);
+                [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)), _mm512_loadu_ps(row.add(32)), _mm512_loadu_ps(row.add(48))]
+            } else {
+                // the two groups of 32 at c0, each widened as kv8::widen_into widens it
+                let mut vb = [_mm512_setzero_ps(); 4];
+                for h in 0..2 {
+                    let b = rows.get_unchecked(i * groups + c0 / QK + h);
+                    let (q, s) = (b.values().as_ptr() as *const __m128i, _mm512_set1_ps(b.scale()));
+                    for half in 0..2 {
+                        vb[2 * h + half] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(half)))), s);
+                    }
+                }
+                vb
+            };
             for g in 0..G {
                 let w = _mm512_set1_ps(*scores.get_unchecked((r0 + g) * n + i0 + i));
                 for b in 0..4 {
@@ -1032,14 +1085,23 @@ impl Lanes for Avx2 {
         }
     }
     #[inline(always)]
-    unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+    unsafe fn accumulate(acc: &mut [f32], scores: &[f32], n: usize, i0: usize, m: usize, v: Values<'_>, d: usize) {
         let heads = acc.len() / d;
         for r0 in (0..heads).step_by(3) {
             let a = &mut acc[r0 * d..];
+            // each kind of rows its own instance, as the AVX-512 task's
+            macro_rules! heads {
+                ($g:literal) => {
+                    match v {
+                        Values::F32(_) => accumulate8::<$g, false>(a, scores, n, r0, i0, m, v, d),
+                        Values::Q8(_) => accumulate8::<$g, true>(a, scores, n, r0, i0, m, v, d),
+                    }
+                };
+            }
             match heads - r0 {
-                1 => accumulate8::<1>(a, scores, n, r0, i0, m, v, d),
-                2 => accumulate8::<2>(a, scores, n, r0, i0, m, v, d),
-                _ => accumulate8::<3>(a, scores, n, r0, i0, m, v, d),
+                1 => heads!(1),
+                2 => heads!(2),
+                _ => heads!(3),
             }
         }
     }
@@ -1091,8 +1153,7 @@ unsafe fn q8_keys8(rows: &[Q8Block], m: usize, d: usize, block: &mut [f32]) {
             _mm256_storeu_si256(at, _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(x)));
             _mm256_storeu_si256(at.add(1), _mm256_srai_epi16::<8>(x));
         }
-        let scales: [f32; LANES8] = std::array::from_fn(|j| if j < m { rows[j * groups + g].scale() } else { 0.0 });
-        _mm256_storeu_ps(out.add(d / 2 * LANES8 + g * LANES8), _mm256_loadu_ps(scales.as_ptr()));
+        _mm256_storeu_ps(out.add(d / 2 * LANES8 + g * LANES8), kv8::scales8(&rows[g..], groups, m));
     }
 }
 
@@ -1154,9 +1215,15 @@ unsafe fn chunk_avx2<T: Stored>(qs: &[&[f32]], q8: &[kv8::QueryHeads<'_>], kvs: 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-unsafe fn accumulate8<const G: usize>(sums: &mut [f32], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: *const f32, d: usize) {
+unsafe fn accumulate8<const G: usize, const Q8: bool>(sums: &mut [f32], scores: &[f32], n: usize, r0: usize, i0: usize, m: usize, v: Values<'_>, d: usize) {
     use std::arch::x86_64::*;
     const W: usize = 2;
+    let groups = d / QK;
+    let (v, rows) = match v {
+        Values::F32(v) => (v, &[][..]),
+        Values::Q8(rows) => (std::ptr::null(), rows),
+    };
+    debug_assert!(Q8 == v.is_null() && rows.len() >= if Q8 { m * groups } else { 0 });
     for c0 in (0..d).step_by(8 * W) {
         let mut acc = [[_mm256_setzero_ps(); W]; G];
         for g in 0..G {
@@ -1165,8 +1232,15 @@ unsafe fn accumulate8<const G: usize>(sums: &mut [f32], scores: &[f32], n: usize
             }
         }
         for i in 0..m {
-            let row = v.add(i * d + c0);
-            let vb: [__m256; W] = std::array::from_fn(|b| _mm256_loadu_ps(row.add(8 * b)));
+            let vb: [__m256; W] = if !Q8 {
+                let row = v.add(i * d + c0);
+                std::array::from_fn(|b| _mm256_loadu_ps(row.add(8 * b)))
+            } else {
+                // the 16 of c0's group of 32, widened as kv8::widen_into widens them
+                let b = rows.get_unchecked(i * groups + c0 / QK);
+                let (q, s) = (b.values().as_ptr().add(c0 % QK), _mm256_set1_ps(b.scale()));
+                std::array::from_fn(|b| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q.add(8 * b) as *const __m128i))), s))
+            };
             for g in 0..G {
                 let w = _mm256_set1_ps(*scores.get_unchecked((r0 + g) * n + i0 + i));
                 for b in 0..W {
