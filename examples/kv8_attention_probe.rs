@@ -3,8 +3,11 @@
 //! another its values), per layer: cold (between layers, 3.3 MB of other memory read, as
 //! a quantized decode step reads a layer's weights) and hot (one layer again and again).
 //!
-//!     RAYON_NUM_THREADS=1 cargo run --release --example kv8_attention_probe [positions]
-use kvcandle::kernels::attention::{decode_attention, LayerKv};
+//! With a second argument, for a profiler: `hot` (one row, one layer, five seconds) or
+//! `rows8` (eight rows on one layer's blocks, as forks of one prompt, five seconds).
+//!
+//!     RAYON_NUM_THREADS=1 cargo run --release --example kv8_attention_probe [positions [hot|rows8]]
+use kvcandle::kernels::attention::{decode_attention, decode_attention_rows, LayerKv};
 use kvcandle::kernels::kv8;
 use std::time::Instant;
 fn main() {
@@ -42,6 +45,19 @@ fn main() {
         while t.elapsed().as_secs_f64() < 5.0 {
             std::hint::black_box(decode_attention(&q, &kv));
         }
+        return;
+    }
+    if std::env::args().nth(2).as_deref() == Some("rows8") {
+        // for a profiler: eight rows over one layer's blocks (forks of one prompt), hot
+        let kv = layer(0);
+        let qs: Vec<Vec<f32>> = (0..8).map(|r| q.iter().map(|x| x + r as f32 / 8.0).collect()).collect();
+        let (q_refs, kv_refs): (Vec<&[f32]>, Vec<_>) = qs.iter().map(|q| (&q[..], &kv)).unzip();
+        let (t, mut n) = (Instant::now(), 0);
+        while t.elapsed().as_secs_f64() < 5.0 {
+            std::hint::black_box(decode_attention_rows(&q_refs, &kv_refs));
+            n += 1;
+        }
+        println!("8 rows, hot: {:.0} us a layer", t.elapsed().as_secs_f64() / n as f64 * 1e6);
         return;
     }
     for round in 0..5 {
