@@ -21,8 +21,13 @@ With llama-cpp-python installed, llama.cpp's batched decode runs beside it on th
 model (float32: the Q4_1 file written as an all-float32 GGUF by llama.cpp's quantizer;
 ``quantized=True``: the Q4_1 file): the prompt decoded on sequence 0 and its cache cells
 copied to sequences 1..B-1, then one ``llama_batch`` of B tokens with B sequence ids per
-``llama_decode``, in a process of its own per figure (llama.cpp's default float16
-cache, its unified cache for B sequences). With the 2,000-token context the float32
+``llama_decode``, in a process of its own per context (llama.cpp's default float16
+cache, its unified cache for B sequences) that runs one round when asked: each round of
+kvcandle's decode figures is followed by one of llama.cpp's, so the two engines take
+turns (one engine's rounds after the other's put them in different minutes of these
+machines' memory pace: one float32 sequence's ratio read 0.76x in such a run and 1.04-1.17x
+in turns a minute later). Its first round, right after its setup, is not kept (the other
+process ran slower then). With the 2,000-token context the float32
 model runs a second time on a float16 cache, so that kvcandle's cache reads as many
 bytes per step as llama.cpp's. After the float32 figures with the 16-token context, the
 memory's read rate (``_machine.memory_read_rate``, measured at the start and there) gives
@@ -38,9 +43,10 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from _machine import cpu_features, memory_read_rate  # bench/ is on the path when a script runs
 
@@ -50,7 +56,7 @@ PROMPTS = ((8, 40), (8, 128), (2, 256))  # (B, tokens per prompt)
 
 
 LLAMA_CPP = r"""
-import ctypes, json, sys, time, statistics
+import json, sys, time
 import numpy as np
 import llama_cpp as L
 
@@ -60,10 +66,21 @@ L.llama_backend_init()
 model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
 rng = np.random.default_rng(0)
 prompt = rng.integers(0, 49152, context).tolist()
-out = {}
+
+
+def decode(ctx, batch, tokens, positions, seqs, logits):
+    batch.n_tokens = len(tokens)
+    for i, (t, p, s, lg) in enumerate(zip(tokens, positions, seqs, logits)):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, p, 1, lg
+        batch.seq_id[i][0] = s
+    assert L.llama_decode(ctx, batch) == 0
+
+
+# for each B, a context with the prompt decoded on sequence 0 and its cells copied to the others
+runs = {}
 for b in batches:
     params = L.llama_context_default_params()
-    params.n_ctx = b * (context + steps * rounds + 64)
+    params.n_ctx = b * (context + steps * (rounds + 1) + 64)
     params.n_batch = 512
     params.n_ubatch = 512
     params.n_seq_max = b
@@ -71,29 +88,26 @@ for b in batches:
     params.kv_unified = True
     ctx = L.llama_init_from_model(model, params)
     batch = L.llama_batch_init(512, 0, b)
-    def decode(tokens, positions, seqs, logits):
-        batch.n_tokens = len(tokens)
-        for i, (t, p, s, lg) in enumerate(zip(tokens, positions, seqs, logits)):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, p, 1, lg
-            batch.seq_id[i][0] = s
-        assert L.llama_decode(ctx, batch) == 0
     for start in range(0, context, 512):
         chunk = prompt[start:start + 512]
-        decode(chunk, range(start, start + len(chunk)), [0] * len(chunk), [0] * len(chunk))
+        decode(ctx, batch, chunk, range(start, start + len(chunk)), [0] * len(chunk), [0] * len(chunk))
     mem = L.llama_get_memory(ctx)
     for s in range(1, b):
         L.llama_memory_seq_cp(mem, 0, s, -1, -1)
-    pos, rates = context, []
-    for _ in range(rounds):
+    runs[b] = [ctx, batch, context]
+print("ready", flush=True)
+# a line on stdin asks for one round: each B's tokens/s, printed as one JSON line
+for _ in sys.stdin:
+    out = {}
+    for b in batches:
+        ctx, batch, pos = runs[b]
         t = time.perf_counter()
         for _ in range(steps):
-            decode([int(x) for x in rng.integers(0, 49152, b)], [pos] * b, range(b), [1] * b)
+            decode(ctx, batch, [int(x) for x in rng.integers(0, 49152, b)], [pos] * b, range(b), [1] * b)
             pos += 1
-        rates.append(b * steps / (time.perf_counter() - t))
-    out[b] = statistics.median(rates)
-    L.llama_batch_free(batch)
-    L.llama_free(ctx)
-print(json.dumps(out))
+        out[b] = b * steps / (time.perf_counter() - t)
+        runs[b][2] = pos
+    print(json.dumps(out), flush=True)
 """
 
 
@@ -150,10 +164,86 @@ def llama_cpp(script: str, path: str, *args: str) -> Optional[dict]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def llama_cpp_batched(path: str, context: int, steps: int, rounds: int, threads: int) -> Optional[dict[int, float]]:
-    """llama.cpp's aggregate decode tokens/s for each B, or None."""
-    out = llama_cpp(LLAMA_CPP, path, str(context), str(steps), str(rounds), str(threads), json.dumps(BATCHES))
-    return None if out is None else {int(k): v for k, v in out.items()}
+# seconds between one engine's turn and the other's (see LlamaTurns.round)
+TURN_PAUSE = 0.5
+
+
+class LlamaTurns:
+    """llama.cpp's batched decode (the script above) in a process of its own that runs one
+    round when asked, so that its rounds take turns with kvcandle's; None-like (no rounds,
+    no medians) when llama-cpp-python is missing or the process fails (the reason printed)."""
+
+    def __init__(self, path: Optional[Path], context: int, steps: int, rounds: int, threads: int) -> None:
+        self.proc: Optional[subprocess.Popen] = None
+        self.rates: dict[int, list[float]] = {b: [] for b in BATCHES}
+        if path is None:
+            return
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print("llama.cpp: skipped (pip install llama-cpp-python to compare)")
+            return
+        # its log (megabytes) to a file, not a pipe nobody reads while it runs
+        self.log = tempfile.TemporaryFile(mode="w+")
+        args = [str(path), str(context), str(steps), str(rounds), str(threads), json.dumps(BATCHES)]
+        self.proc = subprocess.Popen([sys.executable, "-c", LLAMA_CPP, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.path = path
+        if self._reply(lambda line: line == "ready") is None:
+            self._fail()
+            return
+        # one round not kept: right after its setup the other process ran slower (one
+        # float32 sequence 35.4-43.8 tok/s against 44.8-47.5 alone and 45.7-49.1 after
+        # a round of llama.cpp's, 1 thread; docs/measurements.md)
+        self.round()
+        self.rates = {b: [] for b in BATCHES}
+
+    def _reply(self, ok: Callable[[str], bool]) -> Optional[str]:
+        """The first line of its output that `ok` accepts, or None at its end."""
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if ok(line.strip()):
+                return line.strip()
+        return None
+
+    def _fail(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        code = self.proc.wait()
+        self.log.seek(0)
+        print(f"llama.cpp failed on {self.path} (exit {code}): {self.log.read().strip().splitlines()[-1:]}")
+        self.proc = None
+
+    def round(self) -> None:
+        """One round: each B's tokens/s, kept for the medians. Both engines' threads may
+        spin a while after their last step (kvcandle's team 2 ms; llama.cpp's threadpool
+        polls for work before it sleeps), so each turn starts after a pause."""
+        if self.proc is None:
+            return
+        assert self.proc.stdin is not None
+        time.sleep(TURN_PAUSE)
+        try:
+            self.proc.stdin.write("round\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it ended: its log says why
+            self._fail()
+            return
+        line = self._reply(lambda line: line.startswith("{"))
+        time.sleep(TURN_PAUSE)
+        if line is None:
+            self._fail()
+            return
+        for b, rate in json.loads(line).items():
+            self.rates[int(b)].append(rate)
+
+    def medians(self) -> Optional[dict[int, float]]:
+        """Each B's median tokens/s over the rounds run, and the process ended; or None."""
+        if self.proc is None:
+            return None
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+        self.proc = None
+        return {b: statistics.median(r) for b, r in self.rates.items()}
 
 
 def prompt_rates(model, rng, rounds: int) -> dict[str, tuple[float, float]]:
@@ -242,28 +332,36 @@ def main() -> None:
             vs = f"; llama.cpp {'Q4_1' if quantized else 'f32'} in one batch {theirs_p[shape]:.0f} (kvcandle {together / theirs_p[shape]:.2f}x)" if theirs_p else ""
             print(f"kvcandle {name}, {shape} prompt tokens: {together:.0f} tok/s in one forward_batch, {alone:.0f} one forward each ({together / alone:.2f}x){vs}")
         for context in (16, 2000):
-            meds: dict[str, dict[int, float]] = {}
+            # llama.cpp's process first (its prompts decoded before kvcandle's, not during)
+            theirs_turns = LlamaTurns(llama_files[quantized], context, args.steps, args.rounds, args.threads)
             # the float32 model with a 2,000-token context also on a float16 cache, as
             # llama.cpp's default cache is: the cache's bytes then match its
-            for dtype in [model.default_cache_dtype] + (["float16"] if not quantized and context > 16 else []):
-                base = model.new_cache(dtype)
-                model.forward(rng.integers(0, 49152, context).tolist(), base)
-                rates: dict[int, list[float]] = {b: [] for b in BATCHES}
-                for _ in range(args.rounds):
+            dtypes = [model.default_cache_dtype] + (["float16"] if not quantized and context > 16 else [])
+            bases = {}
+            for dtype in dtypes:
+                bases[dtype] = model.new_cache(dtype)
+                model.forward(rng.integers(0, 49152, context).tolist(), bases[dtype])
+            rates: dict[str, dict[int, list[float]]] = {dtype: {b: [] for b in BATCHES} for dtype in dtypes}
+            # kvcandle's round (every cache type and B), then llama.cpp's: in turns
+            for _ in range(args.rounds):
+                for dtype in dtypes:
                     for b in BATCHES:
-                        caches = [base.fork() for _ in range(b)]
+                        caches = [bases[dtype].fork() for _ in range(b)]
                         tokens = [[int(t)] for t in rng.integers(0, 49152, b)]
                         model.forward_batch(tokens, caches)  # each fork copies its block first
                         t = time.perf_counter()
                         for _ in range(args.steps):
                             model.forward_batch(tokens, caches)
-                        rates[b].append(b * args.steps / (time.perf_counter() - t))
+                        rates[dtype][b].append(b * args.steps / (time.perf_counter() - t))
+                theirs_turns.round()
+            meds: dict[str, dict[int, float]] = {}
+            for dtype in dtypes:
                 row = name if dtype == model.default_cache_dtype else name.replace(f"{model.default_cache_dtype} cache", f"{dtype} cache")
-                rows_med = {b: statistics.median(r) for b, r in rates.items()}
+                rows_med = {b: statistics.median(r) for b, r in rates[dtype].items()}
                 results[(f"kvcandle {row}", context)] = rows_med
                 print(f"kvcandle {row}, {context}-token context: " + ", ".join(f"B={b} {rows_med[b]:.1f} tok/s ({rows_med[b] / rows_med[1]:.2f}x)" for b in BATCHES))
                 meds[dtype] = rows_med
-            theirs = llama_cpp_batched(str(llama_files[quantized]), context, args.steps, args.rounds, args.threads) if llama_files[quantized] else None
+            theirs = theirs_turns.medians()
             if theirs:
                 results[(f"llama.cpp {'Q4_1' if quantized else 'f32'}", context)] = theirs
                 for dtype, med in meds.items():
