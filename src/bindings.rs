@@ -299,7 +299,11 @@ impl Model {
                 return Err(to_py(py, Error::Cache(format!("sequence {b} has the same cache as sequence {first}: each sequence needs its own (fork one)"))));
             }
         }
-        let mut guards = caches.iter().map(write).collect::<PyResult<Vec<_>>>()?;
+        let mut guards = caches
+            .iter()
+            .enumerate()
+            .map(|(b, c)| c.try_borrow_mut().map_err(|_| to_py(py, Error::Cache(format!("sequence {b}: {CACHE_BUSY}")))))
+            .collect::<PyResult<Vec<_>>>()?;
         let mut inner: Vec<&mut KvCache> = guards.iter_mut().map(|g| &mut g.inner).collect();
         let model = &self.inner;
         let logits = py.detach(|| no_panic(|| model.forward_batch(&ids, &mut inner, all_logits))).py_err(py)?;
@@ -658,6 +662,11 @@ fn held_bytes(caches: Vec<Bound<'_, KVCache>>) -> PyResult<usize> {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pin_thread_count();
+    // numpy's C API loaded now: loaded lazily by the first array made, it ran an import at
+    // the end of the first forward, where a Ctrl-C that arrived during the forward was
+    // raised inside rust-numpy, which panics on it
+    m.py().import("numpy")?;
+    let _ = PyArray1::<f32>::zeros(m.py(), 0, false);
     m.add_class::<Model>()?;
     m.add_function(wrap_pyfunction!(read_gguf_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(held_bytes, m)?)?;

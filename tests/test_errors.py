@@ -3,6 +3,8 @@ exactly as it was."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -121,7 +123,7 @@ def refusals_while_busy(run, uses):
     worker.join()
     assert sorted(refused) == sorted(uses), f"never found the cache busy for {set(uses) - set(refused)}"
     assert all("in use by another call" in m for m in refused.values())
-    return done
+    return done, refused
 
 
 def test_cache_used_by_another_thread_during_forward_is_a_cache_error(default_model):
@@ -136,16 +138,43 @@ def test_cache_used_by_another_thread_during_forward_is_a_cache_error(default_mo
         "crop": lambda: cache.crop(0),
         "reset": cache.reset,
         "forward": lambda: default_model.forward([1], cache),
+        "forward_batch": lambda: default_model.forward_batch([[1], [1]], [other, cache]),
     }
-    done = refusals_while_busy(lambda: default_model.forward(list(range(1000, 1400)), cache), uses)
+    other = default_model.new_cache()
+    done, refused = refusals_while_busy(lambda: default_model.forward(list(range(1000, 1400)), cache), uses)
     assert done and done[0].shape == (49152,)  # the forward itself completed
+    assert refused["forward_batch"].startswith("sequence 1: "), refused["forward_batch"]  # names the sequence
+    assert len(other) == 0
+
+
+CTRL_C_IN_FIRST_FORWARD = """
+import os, signal, threading, kvcandle
+model = kvcandle.load()
+cache = model.new_cache()
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    model.forward(list(range(1000, 3000)), cache)
+    print("finished")
+except KeyboardInterrupt:
+    print("interrupted", len(cache))
+"""
+
+
+def test_ctrl_c_during_a_forward_is_a_keyboard_interrupt_and_changes_nothing(default_model):
+    """A process's first forward, interrupted by a real SIGINT: a KeyboardInterrupt (numpy's
+    C API was loaded lazily by the first result and panicked on the pending signal), and
+    the cache as it was before the call (its logits are lost, so its positions go too)."""
+    del default_model  # installed
+    out = subprocess.run([sys.executable, "-c", CTRL_C_IN_FIRST_FORWARD], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.split() == ["interrupted", "0"], (out.stdout, out.stderr[-2000:])
+    assert "panicked" not in out.stderr, out.stderr[-2000:]
 
 
 def test_upstream_cache_used_by_another_thread_is_a_cache_error(default_model):
     up = default_model.upstream()
     cache = up.new_cache(True)
     uses = {"clone": cache.clone, "use_kv_cache": lambda: cache.use_kv_cache, "forward": lambda: up.forward([1], 0, cache)}
-    done = refusals_while_busy(lambda: up.forward(list(range(1000, 1400)), 0, cache), uses)
+    done, _ = refusals_while_busy(lambda: up.forward(list(range(1000, 1400)), 0, cache), uses)
     assert done and done[0].shape == (49152,)
 
 

@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Optional, Sequence, Union
+from typing import Callable, Literal, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from .errors import CacheError, InputError
 from .tokenizer import Tokenizer
 from .upstream import UpstreamModel
 
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ class Model:
             cache = self.new_cache()
         elif not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a kvcandle.KVCache, got {type(cache).__name__}")
-        return self._inner.forward(as_ids(ids), cache._inner, bool(all_logits))
+        checked = as_ids(ids)
+        return _undone_if_raised(lambda: self._inner.forward(checked, cache._inner, bool(all_logits)), [cache], [len(cache)])
 
     def forward_batch(self, ids: Sequence[Ids], caches: Sequence[KVCache], *, all_logits: bool = False) -> list[np.ndarray]:
         """Runs ``ids[b]`` after the tokens ``caches[b]`` holds, for every sequence b, in
@@ -190,18 +192,22 @@ class Model:
             raise TypeError(f"caches must be a sequence of kvcandle.KVCache, got {type(caches).__name__}")
         if len(ids) != len(caches) or not ids:
             raise InputError(f"ids and caches must be non-empty and of one length: got {len(ids)} sequences of ids and {len(caches)} caches")
-        inner = []
+        inner, lengths = [], []
         for b, cache in enumerate(caches):
             if not isinstance(cache, KVCache):
                 raise TypeError(f"caches[{b}] must be a kvcandle.KVCache, got {type(cache).__name__}")
             inner.append(cache._inner)
+            try:
+                lengths.append(len(cache))
+            except CacheError as e:  # in use by another call
+                raise CacheError(f"sequence {b}: {e}") from None
         checked = []
         for b, seq in enumerate(ids):
             try:
                 checked.append(as_ids(seq))
             except TypeError as e:
                 raise TypeError(f"sequence {b}: {e}") from None
-        return self._inner.forward_batch(checked, inner, bool(all_logits))
+        return _undone_if_raised(lambda: self._inner.forward_batch(checked, inner, bool(all_logits)), caches, lengths)
 
     def check_sequence(self, ids: Ids, cache: KVCache) -> None:
         """Checks, without running or changing anything, that ``cache`` could hold ``ids``
@@ -364,6 +370,21 @@ def load_cache(path: Union[str, os.PathLike[str]], model: Model) -> KVCache:
     if not isinstance(model, Model):
         raise TypeError(f"model must be a kvcandle.Model, got {type(model).__name__}")
     return model.load_cache(path)
+
+
+def _undone_if_raised(call: Callable[[], T], caches: Sequence[KVCache], lengths: Sequence[int]) -> T:
+    """``call()``; if it raises, every cache is cropped back to its length before it.
+    The engine refuses bad input before it changes anything, but a signal that arrived
+    while it ran (Ctrl-C during a long forward) is raised by the interpreter as the call
+    returns, after the caches were appended to and with their logits lost: the positions
+    go too, so an interrupted call leaves the caches as a refused one does."""
+    try:
+        return call()
+    except BaseException:
+        for cache, n in zip(caches, lengths):
+            if len(cache) > n:
+                cache._inner.crop(n)
+        raise
 
 
 def load(
