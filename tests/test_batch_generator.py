@@ -5,6 +5,11 @@ what ``generate`` gives it alone."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -154,6 +159,74 @@ def test_an_interrupted_step_leaves_every_cache_consistent(default_model, monkey
                 results[p.index] = p.result
     assert same(results[a], alone(model, "The capital of France is", max_tokens=6))
     assert same(results[b], alone(model, "Once upon a time", max_tokens=6, temperature=0.8, seed=2))
+
+
+def test_a_real_ctrl_c_during_a_step_leaves_every_cache_consistent(default_model):
+    """A SIGINT that arrives while the engine runs is raised by the interpreter as the
+    call returns, after the caches were appended to: the step must still leave every
+    cache holding exactly its tokens, and the sequences must come out as they do alone."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only; this test runs in another")
+    model = default_model
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(100, 40000, 300).tolist() for _ in range(6)]
+    batch = kvcandle.BatchGenerator(model)
+    for p in prompts:
+        batch.add(p, max_tokens=3)
+    seqs = list(batch._seqs.values())
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    clock = time.perf_counter()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            batch.step()  # six chunks of 256 prompt tokens in one forward_batch: seconds
+    finally:
+        timer.cancel()
+    assert time.perf_counter() - clock >= 0.3  # raised by the signal, during the step
+    assert all(len(s.cache) == 0 and len(s.feed) == 300 for s in seqs)
+    results = {}
+    while batch:
+        for piece in batch.step():
+            if piece.result is not None:
+                results[piece.index] = piece.result
+    for i, p in enumerate(prompts):
+        assert same(results[i], alone(model, p, max_tokens=3))
+        assert results[i].cache.tokens == p + results[i].tokens[:-1]
+
+
+def test_a_sampling_that_raises_loses_no_piece_and_no_sequence(default_model):
+    """One sequence's sampling raises after another finished in the same step: the
+    finished one's last piece (its result) comes from the next step, and the one that
+    raised samples its logits again then, neither lost nor stuck."""
+    model = default_model
+    batch = kvcandle.BatchGenerator(model)
+    a = batch.add("The capital of France is", max_tokens=1)
+    b = batch.add("Once upon a time", max_tokens=4, temperature=0.8, seed=2)
+    sampler = batch._seqs[b].sampler
+    calls = {"n": 0}
+
+    def interrupted(logits):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return type(sampler).__call__(sampler, logits)
+
+    batch._seqs[b].sampler = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        batch.step()
+    assert a not in batch.indices and b in batch.indices  # a finished before b raised
+    results, first = {}, None
+    for _ in range(10):
+        if not batch:
+            break
+        pieces = batch.step()
+        first = pieces if first is None else first
+        for piece in pieces:
+            if piece.result is not None:
+                results[piece.index] = piece.result
+    assert first and [p.index for p in first][:2] == [a, a] and first[1].result is not None  # its text, then its end
+    assert same(results[a], alone(model, "The capital of France is", max_tokens=1))
+    assert same(results[b], alone(model, "Once upon a time", max_tokens=4, temperature=0.8, seed=2))
 
 
 def test_stream_generate_n_streams_what_generate_n_returns(default_model):

@@ -19,7 +19,7 @@ import numpy as np
 from .cache import KVCache
 from ._checks import check_int, refuse, show
 from ._ids import as_ids
-from .errors import InputError
+from .errors import InputError, KVCandleError
 from .model import Model, prompt_chunk
 from .prompt_cache import PromptCache
 from .sampling import apply_repetition_penalty, check_settings, sample
@@ -585,8 +585,10 @@ def batch_generate(
     prompt's cache). The settings are :func:`generate`'s.
 
     Raises:
-        InputError: no prompts, or as :func:`generate` (a bad setting; an empty prompt,
-            named by its index), before anything runs.
+        InputError: no prompts, or as :func:`generate` (a bad setting; an empty prompt),
+            before anything runs.
+        TokenIdError, PositionError, TypeError: as :func:`generate`, before anything
+            runs; a prompt's error names its index (``prompts[i]: ...``).
         TypeError: ``prompts`` is not a sequence of prompts.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
@@ -601,8 +603,8 @@ def batch_generate(
                 prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                 repetition_penalty=repetition_penalty, seed=None if seed is None else seed + i, stop=stop,
             )
-        except InputError as e:
-            raise InputError(f"prompts[{i}]: {e}") from None
+        except (KVCandleError, TypeError) as e:  # each kind as add raised it, naming the prompt
+            raise type(e)(f"prompts[{i}]: {e}") from None
 
     def pieces() -> Iterator[Piece]:
         while batch:
@@ -678,6 +680,7 @@ class BatchGenerator:
         self.model = model
         self._seqs: dict[int, _Sequence] = {}
         self._next = 0
+        self._pieces: list[Piece] = []  # let out by a step that then raised: the next step returns them
 
     def __len__(self) -> int:
         """Sequences in the batch (prefilling or generating)."""
@@ -802,6 +805,7 @@ class BatchGenerator:
         seq = self._seqs.pop(index, None) if isinstance(index, int) else None
         if seq is None:
             raise InputError(f"no sequence {show(index)} in this batch: its sequences are {self.indices}")
+        self._pieces = [p for p in self._pieces if p.index != index]  # their text is in the result
         if seq.parent is not None:  # still waiting for its parent's prompt
             assert seq.parent.cache is not None
             seq.parent.waiting.remove(seq)
@@ -827,22 +831,36 @@ class BatchGenerator:
         running = [s for s in self._seqs.values() if s.feed]
         if running:
             inputs = [s.feed[: prompt_chunk(len(s.feed))] for s in running]
+            caches = [s.cache for s in running]
+            lengths = [len(c) for c in caches]  # type: ignore[arg-type]
             clock = time.perf_counter()
-            out = self.model.forward_batch(inputs, [s.cache for s in running])  # type: ignore[misc]
+            out = self.model.forward_batch(inputs, caches)  # type: ignore[arg-type]  # raises: every cache as it was
             elapsed = time.perf_counter() - clock
-            for s, fed, logits in zip(running, inputs, out):
-                del s.feed[: len(fed)]
-                s.elapsed += elapsed
-                if not s.feed:
-                    s.logits = logits
-                    self._start_waiting(s)
-        pieces: list[Piece] = []
+            taken = 0
+            try:
+                for s, fed, logits in zip(running, inputs, out):
+                    n = len(fed)
+                    del s.feed[:n]  # no call between these two: nothing is raised between them
+                    taken += 1
+                    s.elapsed += elapsed
+                    if not s.feed:
+                        s.logits = logits
+                        self._start_waiting(s)
+            except BaseException:  # interrupted here: the sequences not taken run their ids again
+                for c, n in zip(caches[taken:], lengths[taken:]):
+                    c._inner.crop(n)  # type: ignore[union-attr]
+                for s in running[:taken]:
+                    if s.logits is not None and s.waiting:
+                        self._start_waiting(s)
+                raise
+        pieces = self._pieces  # kept if sampling raises: the next step returns them
         for s in list(self._seqs.values()):
             if s.logits is None:
                 continue
             clock = time.perf_counter()
-            logits, s.logits = s.logits, None
-            token = s.sampler(logits)
+            logits = s.logits
+            token = s.sampler(logits)  # raises: the logits stay, sampled again next step
+            s.logits = None
             piece, done = s.text.add(token)
             if s.logprobs is not None and done != "eos":  # an end token is not one of the tokens
                 s.pending_logprobs.append(token_logprob(logits, token, s.logprobs))
@@ -863,4 +881,5 @@ class BatchGenerator:
                 assert s.cache is not None
                 s.prompt_cache.insert(s.cache)
             pieces.append(Piece(last.text, last.tokens, done, index=s.uid, result=s.result(done), logprobs=s.take_logprobs()))
+        self._pieces = []
         return pieces
