@@ -9,7 +9,7 @@ import pytest
 import kvcandle
 from builders import SHAPES, write_gguf
 from kvcandle import parity
-from kvcandle.sampling import sample, top_k_filter, top_p_filter
+from kvcandle.sampling import apply_repetition_penalty, sample, top_k_filter, top_p_filter
 
 CHAT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -172,3 +172,25 @@ def test_timers_count_the_models_work_not_the_callers(tiny):
     steps.close()
     assert stats.generated_tokens == 5 and stats.prefill_tokens == 3
     assert 0 < stats.prefill_seconds < 0.4 and 0 < stats.decode_seconds < 0.4, stats
+
+
+def test_a_repetition_penalty_far_from_one_gives_finite_logits(default_model):
+    """Any finite penalty > 0 is allowed: one far from 1 takes logits past float32's range,
+    which stay at its largest number of their sign (an infinite logit made the sampling
+    probabilities NaN); penalties near 1 are plain float32 arithmetic."""
+    logits = np.array([3.0, -2.0, 0.0, 1.5, -0.5], dtype=np.float32)
+    seen = [0, 1, 2]
+    big = np.finfo(np.float32).max
+    for penalty in (1e-40, 1e-300, 1e-50, 1e50, 1e300):
+        out = apply_repetition_penalty(logits, seen, penalty)
+        assert out.dtype == np.float32 and np.isfinite(out).all(), penalty
+        assert (out[3:] == logits[3:]).all()
+        wide = logits[:3].astype(np.float64)
+        want = np.clip(np.where(wide > 0, wide / penalty, wide * penalty), -big, big)
+        assert np.allclose(out[:3], want, rtol=1e-6, atol=1e-30), (penalty, out, want)
+    for penalty in (1.1, 1.7, 0.9):
+        out = apply_repetition_penalty(logits, seen, penalty)
+        assert (out[:3] == np.where(logits[:3] > 0, logits[:3] / np.float32(penalty), logits[:3] * np.float32(penalty))).all()
+    for temperature in (0.0, 0.7):
+        r = kvcandle.generate(default_model, "1, 2, 3,", max_tokens=6, temperature=temperature, seed=1, repetition_penalty=1e-40)
+        assert len(r.tokens) == 6 and all(0 <= t < 49152 for t in r.tokens)

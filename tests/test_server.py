@@ -121,6 +121,18 @@ def test_completions_equal_the_library(server, default_model):
     assert got.usage.completion_tokens == sum(len(w.tokens) for w in want)
 
 
+def test_a_repetition_penalty_far_from_one_is_served_and_so_is_the_next_request(server, default_model):
+    """A penalty far from 1 once made the sampling probabilities NaN, whose ValueError
+    killed the worker thread: every later request then waited forever."""
+    client = server.client.with_options(timeout=120, max_retries=0)
+    prompt = "1, 2, 3,"
+    got = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=6, temperature=0.7, seed=3, extra_body={"repetition_penalty": 1e-40})
+    want = kvcandle.generate(default_model, prompt, max_tokens=6, temperature=0.7, seed=3, repetition_penalty=1e-40)
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == len(want.tokens) == 6
+    after = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert "Paris" in after.choices[0].text
+
+
 def test_stop_strings_are_never_sent(server):
     got = server.client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=20, temperature=0, stop=["."])
     choice = got.choices[0]

@@ -11,13 +11,24 @@ from ._checks import check_int, check_number
 
 def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty: float) -> np.ndarray:
     """CTRL-style penalty: logits of ids already in ``context`` are divided by ``penalty``
-    when positive and multiplied by it when negative. Returns a new array."""
+    when positive and multiplied by it when negative. Returns a new array.
+
+    A penalty far from 1 (any finite number > 0 is allowed) can take a logit past
+    float32's range: it is kept at the largest float32 of its sign, so sampling still
+    sees a finite, overwhelming logit (an infinite one would make the probabilities NaN)."""
     out = np.array(logits, dtype=np.float32, copy=True)
     if penalty == 1.0 or not context:
         return out
     ids = np.unique(np.asarray(context, dtype=np.int64))
     seen = out[ids]
-    out[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        penalized = np.where(seen > 0, seen / penalty, seen * penalty)
+        past = ~np.isfinite(penalized)
+        if past.any():  # float32 overflowed (or the penalty itself is past its range): float64, kept in range
+            wide = seen[past].astype(np.float64)
+            big = np.finfo(np.float32).max
+            penalized[past] = np.clip(np.where(wide > 0, wide / penalty, wide * penalty), -big, big)
+    out[ids] = penalized
     return out
 
 
