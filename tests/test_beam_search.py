@@ -78,6 +78,25 @@ def test_beams_share_blocks_and_the_prompt_cache_is_kept(tiny):
     assert (best.tokens, best.score) == (results[0].tokens, results[0].score)
 
 
+def test_hypotheses_end_where_the_context_is_full(tiny):
+    """As generate ends with "context": a continuation whose last token the cache cannot
+    take ends there, never a PositionError halfway (the tiny model's context is 64)."""
+    prompt = list(range(3, 65))  # 62 positions: two more fit, the third token ends it
+    greedy, cache = [], tiny.new_cache()
+    logits = tiny.forward(prompt, cache)
+    for _ in range(3):
+        greedy.append(int(np.argmax(logits)))
+        if len(cache) < cache.max_length:
+            logits = tiny.forward([greedy[-1]], cache)
+    one = kvcandle.beam_search(tiny, prompt, num_beams=1, max_tokens=10)
+    assert (one.tokens, one.finish_reason) == (greedy, "context")
+    for r in kvcandle.beam_search(tiny, prompt, num_beams=3, max_tokens=10, n=3):
+        assert r.finish_reason in ("context", "eos") and len(prompt) + len(r.tokens) <= tiny.config.max_position_embeddings + 1
+        assert r.cache.tokens == prompt + (r.tokens if r.finish_reason == "eos" else r.tokens[:-1])
+    full = kvcandle.beam_search(tiny, list(range(3, 67)), num_beams=2, max_tokens=10)  # the prompt fills it
+    assert len(full.tokens) == 1 and full.finish_reason in ("context", "eos")
+
+
 def test_one_beam_is_greedy_decoding(default_model):
     greedy = kvcandle.generate(default_model, "The capital of France is", max_tokens=8)
     beam = kvcandle.beam_search(default_model, "The capital of France is", num_beams=1, max_tokens=8)

@@ -80,7 +80,8 @@ def beam_search(
 
     Returns:
         The best hypothesis as a :class:`GenerationResult` (``score`` set; ``tokens``
-        without the end-of-sequence token, ``finish_reason`` "eos" or "length";
+        without the end-of-sequence token, ``finish_reason`` "eos", "length" or
+        "context" (the model's context is full, as :func:`generate` ends);
         ``cache`` holding the prompt and every token but the last; ``text`` decoded
         when the model has a tokenizer), or a list of the ``n`` best.
 
@@ -123,14 +124,16 @@ def beam_search(
         for rank, flat in enumerate(top):
             parent, token, score = running[flat // vocab], int(flat % vocab), float(scores[flat])
             length = len(parent.tokens) + 1
-            ends = token in eos or length >= max_tokens
+            # as generate: a continuation whose last token the cache cannot take ends there
+            full = len(ids) + length > cache.max_length
+            ends = token in eos or length >= max_tokens or full
             if not ends:
                 if len(nxt) < num_beams:
                     nxt.append((parent, token, score))
                 continue
             if rank < num_beams and improvable and not (early_stopping and len(finished) >= num_beams):
                 final = score / (length**penalty)
-                reason = "eos" if token in eos else "length"
+                reason = "eos" if token in eos else "length" if length >= max_tokens else "context"
                 tokens = parent.tokens if token in eos else parent.tokens + [token]
                 finished.append((final, tokens, reason, parent.cache))
                 finished.sort(key=lambda f: -f[0])
@@ -139,7 +142,7 @@ def beam_search(
         stats.count(elapsed)
         clock = time.perf_counter()
         if not nxt:
-            break  # every continuation ended (max_tokens)
+            break  # every continuation ended (max_tokens, a full context)
         # the early-stop rule: with num_beams finished, can the best running beam still win?
         if len(finished) >= num_beams:
             best_running = nxt[0][2] / ((len(nxt[0][0].tokens) + 1) ** penalty)
