@@ -382,8 +382,11 @@ def _undone_if_raised(call: Callable[[], T], caches: Sequence[KVCache], lengths:
         return call()
     except BaseException:
         for cache, n in zip(caches, lengths):
-            if len(cache) > n:
-                cache._inner.crop(n)
+            try:
+                if len(cache) > n:
+                    cache._inner.crop(n)
+            except CacheError:  # in use by another call: this call did not change it
+                pass
         raise
 
 
