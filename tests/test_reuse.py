@@ -160,11 +160,66 @@ def test_prompt_cache_saves_and_loads_a_directory(tiny: kvcandle.Model, tiny_mod
     c = tiny.new_cache()
     tiny.forward([9] * 3, c)
     pc.insert(c)
+    before = set(tmp_path.iterdir())  # the other model's file
     pc.save(tmp_path)
-    victim = next(p for p in tmp_path.iterdir() if p.name.startswith(tiny.fingerprint["model.weights"][:16]))
+    (victim,) = set(tmp_path.iterdir()) - before
     victim.write_bytes(victim.read_bytes()[:50])
     with pytest.warns(kvcandle.KVCandleWarning, match=victim.name):
         assert len(kvcandle.PromptCache.load(tmp_path, tiny, max_bytes=10**9)) == 0
+
+
+def test_prompt_cache_files_of_two_loads_of_one_file_are_apart(default_model: kvcandle.Model, default_quantized: kvcandle.Model, tmp_path: Path) -> None:
+    """The float32 and quantized loads of one GGUF file are two models (a cache of one
+    does not load into the other): each keeps its own files in a shared directory, even
+    for the same tokens, and saving one never removes the other's."""
+    ids = default_model.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    for model in (default_model, default_quantized):
+        pc = kvcandle.PromptCache(model, max_bytes=10**9)
+        c = model.new_cache()
+        model.forward(ids, c)
+        pc.insert(c)
+        pc.save(tmp_path)
+    assert len(list(tmp_path.iterdir())) == 2
+    for model in (default_model, default_quantized):
+        back = kvcandle.PromptCache.load(tmp_path, model, max_bytes=10**9)
+        assert back.entries() == [ids]
+        assert len(back.lookup(ids)) == len(ids)
+        back.clear()
+        back.save(tmp_path)  # removes its own file only
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prompt_cache_an_entry_that_never_fits_evicts_nothing(default_model: kvcandle.Model) -> None:
+    small, big = default_model.new_cache(), default_model.new_cache()
+    default_model.forward([1] * 10, small)
+    default_model.forward([1] * 10 + [2] * 100, big)  # an extension of the entry, two blocks
+    pc = kvcandle.PromptCache(default_model, max_bytes=small.held_bytes)
+    assert pc.insert(small)
+    assert not pc.insert(big)
+    assert pc.entries() == [[1] * 10] and pc.nbytes == small.held_bytes
+
+
+def test_prompt_cache_directory_errors_are_cache_file_errors(tiny: kvcandle.Model, tmp_path: Path) -> None:
+    pc = kvcandle.PromptCache(tiny, max_bytes=10**9)
+    c = tiny.new_cache()
+    tiny.forward([5] * 4, c)
+    pc.insert(c)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    with pytest.raises(kvcandle.CacheFileError, match="a-file"):
+        pc.save(a_file)
+    with pytest.raises(kvcandle.CacheFileError, match="not a directory"):
+        kvcandle.PromptCache.load(a_file, tiny, max_bytes=10**9)
+    folder = tmp_path / "folder"
+    pc.save(folder)
+    (entry,) = folder.iterdir()
+    entry.unlink()
+    entry.mkdir()  # a directory where the entry's file goes
+    (entry / "x").write_text("")
+    pc.clear()
+    with pytest.raises(kvcandle.CacheFileError, match="folder"):
+        pc.save(folder)  # cannot remove it: refused by name, not an OSError
+    assert a_file.read_text() == "not a directory"
 
 
 def test_generate_with_a_prompt_cache(default_model: kvcandle.Model) -> None:

@@ -11,6 +11,7 @@ Entries are forks (copy-on-write): inserting or looking up copies no keys or val
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import warnings
 from collections import OrderedDict
@@ -20,7 +21,7 @@ from typing import Union
 from ._checks import check_int
 from ._ids import Ids, as_ids, common_prefix
 from .cache import KVCache, held_bytes
-from .errors import CacheError, KVCandleError, KVCandleWarning
+from .errors import CacheError, CacheFileError, KVCandleError, KVCandleWarning
 from .model import Model
 
 #: the file name ending of a saved entry
@@ -90,6 +91,9 @@ class PromptCache:
             if len(held) >= len(key) and held[: len(key)] == key:
                 self._entries.move_to_end(held)
                 return True
+        if held_bytes([cache]) > self._max_bytes:  # would never fit: evict nothing for it
+            return False
+        for held in list(self._entries):
             if held == key[: len(held)]:
                 del self._entries[held]
         self._entries[key] = cache.fork()
@@ -122,8 +126,11 @@ class PromptCache:
             self._entries.popitem(last=False)
 
     def _prefix(self) -> str:
-        # the files of one model in a shared directory
-        return self._model.fingerprint["model.weights"][:16] + "-"
+        # the files of one model in a shared directory: the whole fingerprint, as a saved
+        # cache loads only into a model of the same (a quantized or float16 load of one
+        # file is another model)
+        fingerprint = json.dumps(self._model.fingerprint, sort_keys=True)
+        return hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest() + "-"
 
     def save(self, directory: Union[str, "os.PathLike[str]"]) -> None:
         """Writes each entry to ``directory`` (made if missing) as a cache file
@@ -131,21 +138,24 @@ class PromptCache:
         longer held. Files of other models in the directory are left alone.
 
         Raises:
-            CacheFileError: a file cannot be written.
+            CacheFileError: the directory or a file cannot be made, written or removed.
         """
         folder = Path(directory)
-        folder.mkdir(parents=True, exist_ok=True)
         prefix = self._prefix()
-        keep = set()
-        for key, cache in self._entries.items():
-            digest = hashlib.blake2b(repr(key).encode(), digest_size=12).hexdigest()
-            path = folder / f"{prefix}{digest}{SUFFIX}"
-            keep.add(path.name)
-            if not path.exists():
-                cache.save(path)
-        for old in folder.glob(f"{prefix}*{SUFFIX}"):
-            if old.name not in keep:
-                old.unlink(missing_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            keep = set()
+            for key, cache in self._entries.items():
+                digest = hashlib.blake2b(repr(key).encode(), digest_size=12).hexdigest()
+                path = folder / f"{prefix}{digest}{SUFFIX}"
+                keep.add(path.name)
+                if not path.is_file():
+                    cache.save(path)
+            for old in folder.glob(f"{prefix}*{SUFFIX}"):
+                if old.name not in keep:
+                    old.unlink(missing_ok=True)
+        except OSError as e:
+            raise CacheFileError(f"prompt cache directory {folder}: {e.strerror or e}" + (f": {e.filename}" if e.filename else "")) from None
 
     @classmethod
     def load(cls, directory: Union[str, "os.PathLike[str]"], model: Model, max_bytes: int) -> "PromptCache":
@@ -153,10 +163,16 @@ class PromptCache:
         ``model`` (the most recently written count as the most recently used). A missing
         directory gives an empty prompt cache; a damaged file is skipped with a
         :class:`kvcandle.KVCandleWarning` naming it.
+
+        Raises:
+            CacheFileError: ``directory`` exists and is not a directory (:meth:`save`
+                could never write there).
         """
         pc = cls(model, max_bytes)
         folder = Path(directory)
         if not folder.is_dir():
+            if folder.exists():
+                raise CacheFileError(f"prompt cache directory {folder}: not a directory")
             return pc
         files = sorted(folder.glob(f"{pc._prefix()}*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in files:
