@@ -160,6 +160,16 @@ def test_chat_greets_helps_and_quits():
     assert "unknown command '/frobnicate'" in out and "/help" in out
 
 
+def test_chat_goes_on_after_a_turn_it_refuses():
+    """A turn that does not fit the context, or text no tokenizer takes, is refused with
+    a line saying why; the conversation and the session go on."""
+    code, out, _ = run(["chat", "--max-tokens", "3"], stdin="word " * 9000 + "\nA lone \udc80 surrogate\nHi!\n/stats\n")
+    assert code == 0
+    assert "(not sent: " in out and "context length" in out and "/undo or /reset make room" in out
+    assert "unpaired surrogate" in out
+    assert "turns start at: 0)" in out  # the one turn that ran is the conversation
+
+
 def test_chat_stats_in_human_units():
     code, out, _ = run(["chat", "--max-tokens", "5"], stdin="Hi!\n/stats\n")
     assert code == 0

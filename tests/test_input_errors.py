@@ -286,6 +286,18 @@ def test_sample_checks_its_settings(name, value):
         sample(np.array([1.0, 2.0, 3.0], dtype=np.float32), **kw)
 
 
+def test_text_without_a_utf8_form_is_an_input_error(default_model):
+    """A str with an unpaired surrogate (what a non-UTF-8 byte read with surrogateescape
+    becomes) is refused as an InputError naming it, not a TypeError from the tokenizer."""
+    for call in (
+        lambda: default_model.tokenizer.encode("a\udc80b"),
+        lambda: kvcandle.generate(default_model, "x\udcff", max_tokens=2),
+        lambda: kvcandle.Conversation(default_model).send("\ud800", max_tokens=2),
+    ):
+        with pytest.raises(kvcandle.InputError, match="unpaired surrogate"):
+            call()
+
+
 def test_no_tokenizer_and_empty_prompt_are_input_errors(tiny, default_model):
     with pytest.raises(kvcandle.InputError, match="has no tokenizer, so text cannot be streamed"):
         kvcandle.generate(tiny, [1, 2, 3])

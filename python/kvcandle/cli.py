@@ -19,7 +19,7 @@ from typing import IO, Iterable, Optional, Sequence
 
 from ._core import PREFETCH_ENV, ROWS_ENV, SIMD_ENV, one_input_rows, prefetch_level, simd_level, simd_levels
 from .conversation import Conversation
-from .errors import InputError, KVCandleError
+from .errors import InputError, KVCandleError, PositionError
 from .generation import Stats, encode_prompt, stream_generate
 from .speculative import Draft
 from .model import Model, load
@@ -215,6 +215,8 @@ def cmd_chat(args: argparse.Namespace, inp: IO[str], out: IO[str], err: IO[str])
                 out.flush()
         except KeyboardInterrupt:
             out.write(" (interrupted)")
+        except KVCandleError as e:  # this turn refused (the context is full, text no tokenizer takes): the conversation goes on
+            out.write(f"(not sent: {e}; /undo or /reset make room)" if isinstance(e, PositionError) else f"(not sent: {e})")
         finally:
             pieces.close()  # records the reply so far
         out.write("\n")

@@ -365,9 +365,17 @@ class Tokenizer:
                 ``<|im_start|>`` or ``<s>``, become their ids, as chat templates need;
                 False encodes them as the characters they are written with. User-defined
                 tokens are taken whole either way.
+
+        Raises:
+            TypeError: ``text`` is not a str.
+            InputError: ``text`` has an unpaired surrogate (no UTF-8 form).
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\udc80"): no tokenizer takes it
+            raise InputError(f"text has no UTF-8 form: {text[e.start:e.end]!r} at index {e.start} is an unpaired surrogate") from None
         ids = self._backend.encode(text, parse_special)
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
