@@ -158,6 +158,19 @@ def test_logprobs(server):
     assert "".join(lp.tokens) == comp.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert all(len(top) == 2 for top in lp.top_logprobs)
+    # characters split across tokens: each offset where the text stood before the token,
+    # the same streamed or not
+    settings = dict(model="SmolLM2-135M-Instruct", prompt="日本の首都は東京です。中国の首都は", max_tokens=12, temperature=0, logprobs=2)
+    whole = server.client.completions.create(**settings)
+    text, offsets = whole.choices[0].text, whole.choices[0].logprobs.text_offset
+    streamed_text, streamed = "", []
+    for c in server.client.completions.create(**settings, stream=True):
+        if c.choices and c.choices[0].logprobs:
+            streamed_text += c.choices[0].text
+            streamed += c.choices[0].logprobs.text_offset
+    assert streamed_text == text and streamed == offsets
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
+    assert any(ord(ch) > 0x3000 for ch in text)  # the case this checks: CJK text, split bytes
 
 
 def test_a_second_turn_runs_only_the_new_tokens(server):
@@ -276,6 +289,10 @@ HOSTILE = [
     ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x\udcff"}, "prompt"),  # an unpaired surrogate (valid JSON): no UTF-8 form
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_p": True}, "top_p"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 5, "max_tokens": "bad"}, "max_tokens"),
 ]
 
 
@@ -319,6 +336,18 @@ def test_a_full_queue_answers_503():
             conn.close()
         h = s.wait_idle()
         assert h["requests_rejected_total"] == 1 and h["requests_cancelled_total"] == 2
+
+
+def test_requests_the_batch_has_room_for_are_not_queue_full():
+    """--max-queue counts requests that wait for room in the batch, not those that join
+    it at the worker's next step."""
+    with running_server("--max-batch", "8", "--max-queue", "1") as s:
+        body = {"prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0}
+        for _ in range(2):
+            with ThreadPoolExecutor(6) as pool:
+                statuses = list(pool.map(lambda _: s.http("POST", "/v1/completions", body)[0], range(6)))
+            assert statuses == [200] * 6
+        assert s.wait_idle()["requests_rejected_total"] == 0
 
 
 def test_prompt_caches_are_found_again_after_a_restart(tmp_path: Path, default_model):

@@ -125,10 +125,10 @@ class _Choices:
             if choice % self.req.n == 0:
                 self.cached += piece.result.stats.reused_tokens
 
-    def logprobs(self, choice: int, entries: list[Any], offset: int) -> Optional[dict[str, Any]]:
+    def logprobs(self, choice: int, entries: list[Any], at: protocol.TextOffsets) -> Optional[dict[str, Any]]:
         if self.req.logprobs is None:
             return None
-        return self.lp.chat(entries) if self.req.chat else self.lp.completion(entries, offset)
+        return self.lp.chat(entries) if self.req.chat else self.lp.completion(entries, at)
 
     def usage(self) -> dict[str, Any]:
         return protocol.usage(sum(len(p) for p in self.req.prompts), sum(self.tokens), self.cached)
@@ -136,7 +136,7 @@ class _Choices:
     def response(self) -> dict[str, Any]:
         choices = []
         for i in range(self.req.choices):
-            lp = self.logprobs(i, self.entries[i], 0)
+            lp = self.logprobs(i, self.entries[i], protocol.TextOffsets())
             if self.req.chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i]}, "logprobs": lp, "finish_reason": self.finish[i]})
             else:
@@ -184,7 +184,7 @@ def create_app(model: Model, settings: Settings) -> Starlette:
     async def _stream(req: Request, events: _Events, choices: _Choices) -> AsyncIterator[bytes]:
         if req.chat:
             yield _sse(protocol.chunk(req, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(req.choices)]))
-        offsets = [0] * req.choices
+        offsets = [protocol.TextOffsets() for _ in range(req.choices)]
         async for kind, choice, piece in events:
             if kind == "error":
                 yield _sse(RequestError(piece, status=500, kind="server_error").body())
@@ -193,7 +193,6 @@ def create_app(model: Model, settings: Settings) -> Starlette:
             choices.add(choice, piece)
             if piece.text or piece.tokens:
                 lp = choices.logprobs(choice, piece.logprobs or [], offsets[choice])
-                offsets[choice] += len(piece.text)
                 if req.chat:
                     body = {"index": choice, "delta": {"content": piece.text}, "logprobs": lp, "finish_reason": None}
                 else:

@@ -6,6 +6,7 @@ and stream-chunk bodies the official client parses. No web framework here: the a
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import time
@@ -143,10 +144,10 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     temperature = 1.0 if temperature is None else _setting("temperature", temperature)
     if temperature > MAX_TEMPERATURE:
         raise RequestError(f"temperature must be from 0 to {MAX_TEMPERATURE}, got {show(body.get('temperature'))}", "temperature")
-    top_p = body.get("top_p")
+    top_p = None if body.get("top_p") is None else _setting("top_p", body.get("top_p"))  # checked first: `true == 1`
     settings = {
         "temperature": temperature,
-        "top_p": None if top_p is None or top_p == 1 else _setting("top_p", top_p),
+        "top_p": None if top_p == 1 else top_p,
         "top_k": _setting("top_k", body.get("top_k")),
         "repetition_penalty": _setting("repetition_penalty", body.get("repetition_penalty")),
         "seed": _setting("seed", body.get("seed")),
@@ -202,7 +203,7 @@ def chat_prompt(body: dict[str, Any], model: Model) -> list[int]:
     try:
         return tok.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
     except ValueError as e:
-        raise RequestError(str(e), "messages") from None
+        raise RequestError(f"messages: {e}", "messages") from None
 
 
 def completion_prompts(body: dict[str, Any], model: Model) -> list[list[int]]:
@@ -214,7 +215,10 @@ def completion_prompts(body: dict[str, Any], model: Model) -> list[list[int]]:
 
     def one(p: Any, where: str) -> list[int]:
         if isinstance(p, str):
-            ids = tok.encode(p)
+            try:
+                ids = tok.encode(p)
+            except InputError as e:  # text no tokenizer takes (an unpaired surrogate)
+                raise RequestError(f"{where}: {e}", "prompt") from None
         elif isinstance(p, list) and all(as_int(t) is not None for t in p):
             ids = [int(t) for t in p]
             bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -266,6 +270,8 @@ def parse(body: dict[str, Any], model: Model, served: str, *, chat: bool, max_ch
     if len(prompts) * n > max_choices:
         raise RequestError(f"{len(prompts)} prompts times n = {n} is {len(prompts) * n} sequences; this server runs at most {max_choices} at once (--max-batch)", "n")
     limit = _int(body, limit_name, 1, None, None)
+    if limit_name != "max_tokens":
+        _int(body, "max_tokens", 1, None, None)  # not used, but a bad one is still refused
     context = model.config.max_position_embeddings
     max_tokens = []
     for ids in prompts:
@@ -285,6 +291,23 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+class TextOffsets:
+    """Where each token of one completion starts in its text, in characters: the text
+    the tokens before it decode to, a character split across tokens counted once it is
+    whole (as the text is streamed). One per choice, fed every token in order, so the
+    offsets are the same streamed or not."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._at = 0
+
+    def take(self, token_bytes: bytes) -> int:
+        """The offset of the token whose bytes these are (the next one)."""
+        start = self._at
+        self._at += len(self._decoder.decode(token_bytes))
+        return start
 
 
 class Logprobs:
@@ -310,18 +333,12 @@ class Logprobs:
 
         return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
 
-    def completion(self, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
-        tokens, offsets = [], []
-        for e in entries:
-            offsets.append(offset)
-            text = self.text_of(e.token)
-            tokens.append(text)
-            offset += len(text)
+    def completion(self, entries: list[TokenLogprob], at: TextOffsets) -> dict[str, Any]:
         return {
-            "tokens": tokens,
+            "tokens": [self.text_of(e.token) for e in entries],
             "token_logprobs": [_finite(e.logprob) for e in entries],
             "top_logprobs": [{self.text_of(t): _finite(lp) for t, lp in e.top} for e in entries],
-            "text_offset": offsets,
+            "text_offset": [at.take(self.bytes_of(e.token)) for e in entries],
         }
 
 

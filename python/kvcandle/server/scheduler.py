@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..errors import KVCandleError
 from ..generation import BatchGenerator, GenerationResult
 from ..model import Model
 from ..prompt_cache import PromptCache
@@ -119,12 +118,14 @@ class Scheduler:
         """Queues ``job``.
 
         Raises:
-            QueueFull: ``max_queue`` jobs are waiting already.
+            QueueFull: ``max_queue`` jobs would wait already (jobs the batch has room
+                for join it at the worker's next step, and do not count).
         """
         with self._lock:
-            if len(self._queue) >= self.max_queue:
+            waiting = self._waiting_with(job)
+            if waiting > self.max_queue:
                 self.counters.rejected += 1
-                raise QueueFull(f"the server is busy: {len(self._queue)} requests are waiting (--max-queue {self.max_queue}); try again later")
+                raise QueueFull(f"the server is busy: {waiting - 1} requests are waiting (--max-queue {self.max_queue}); try again later")
             self.counters.requests += 1
             self._queue.append(job)
             self._lock.notify_all()
@@ -195,6 +196,19 @@ class Scheduler:
         self._drop_cancelled()
         for job in self._queue:
             job.emit("end", None, None)
+
+    def _waiting_with(self, new: Job) -> int:
+        """How many of the queued jobs and ``new`` would still wait after the worker's
+        next admission (:meth:`_admit`'s rule; with the lock held)."""
+        used, running, waiting = sum(j.sequences for j in self._running), bool(self._running), 0
+        for job in [*self._queue, new]:
+            if job.cancelled.is_set():
+                continue
+            if waiting or (used + job.sequences > self.max_batch and running):
+                waiting += 1
+            else:
+                used, running = used + job.sequences, True
+        return waiting
 
     def _admit(self) -> list[Job]:
         """Jobs taken from the queue, in order, while their sequences fit the batch
@@ -309,8 +323,8 @@ class Scheduler:
             return
         try:
             self.prompt_cache.save(self.prompt_cache_dir)
-        except KVCandleError:
-            pass  # a full disk loses the saved copy, never the server
+        except Exception:  # noqa: BLE001 (the worker's thread must go on)
+            pass  # a full disk or a bad directory loses the saved copy, never the server
         self._dirty = False
         self._saved_at = time.perf_counter()
 
