@@ -413,10 +413,18 @@ impl Llama {
                 }
             } else {
                 // candle's products (float16, GPUs) do not keep rows independent bit for
-                // bit, so each chunk runs alone there
+                // bit, so each chunk runs alone there, and a short one (what checking
+                // guessed tokens runs) one position at a time: what its ids give fed so
                 for &b in &long {
-                    let want = all_logits || r + 1 == chunks[b].len();
-                    outs[b].extend(self.prefill_chunk(chunks[b][r], caches[b], want, all_logits)?);
+                    let (chunk, want) = (chunks[b][r], all_logits || r + 1 == chunks[b].len());
+                    if chunk.len() <= SMALL_CHUNK {
+                        for (i, id) in chunk.iter().enumerate() {
+                            let wanted = all_logits || (want && i + 1 == chunk.len());
+                            outs[b].extend(self.prefill_chunk(std::slice::from_ref(id), caches[b], wanted, all_logits)?);
+                        }
+                    } else {
+                        outs[b].extend(self.prefill_chunk(chunk, caches[b], want, all_logits)?);
+                    }
                 }
             }
         }
