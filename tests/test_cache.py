@@ -41,6 +41,10 @@ def test_layer_index_out_of_range(tiny):
         cache.layers[2]
     with pytest.raises(IndexError, match="layer -3"):
         cache.layers[-3]
+    for bad in (1.0, "0", True, None):
+        with pytest.raises(TypeError, match="layer indices"):
+            cache.layers[bad]
+    assert cache.layers[np.int64(1)].keys.shape == cache.layers[1].keys.shape
 
 
 def test_reset_drops_its_blocks_and_forgets_tokens(tiny):

@@ -286,6 +286,14 @@ def test_sample_checks_its_settings(name, value):
         sample(np.array([1.0, 2.0, 3.0], dtype=np.float32), **kw)
 
 
+def test_a_cache_that_is_not_a_cache_is_a_type_error(default_model):
+    for call in (kvcandle.generate, kvcandle.stream_generate):
+        with pytest.raises(TypeError, match="cache must be a kvcandle.KVCache"):
+            list(call(default_model, "Hi", max_tokens=2, cache="not a cache"))
+        with pytest.raises(TypeError, match="cache must be a kvcandle.KVCache"):
+            list(call(default_model, "Hi", max_tokens=2, cache="not a cache", n=2))
+
+
 def test_text_without_a_utf8_form_is_an_input_error(default_model):
     """A str with an unpaired surrogate (what a non-UTF-8 byte read with surrogateescape
     becomes) is refused as an InputError naming it, not a TypeError from the tokenizer."""

@@ -52,8 +52,10 @@ class Layers(Sequence[LayerView]):
     def __getitem__(self, index: int | slice) -> LayerView | list[LayerView]:
         if isinstance(index, slice):
             return [LayerView(self._cache, i) for i in range(len(self))[index]]
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"layer indices must be ints or slices, got {type(index).__name__} {index!r}")
         n = len(self)
-        i = index + n if index < 0 else index
+        i = int(index) + n if index < 0 else int(index)
         if not 0 <= i < n:
             raise IndexError(f"layer {index} is out of range: the cache has {n} layers")
         return LayerView(self._cache, i)

@@ -366,6 +366,8 @@ def _prepare(
     max_tokens = _max_tokens(max_tokens)
     stops = _stop_strings(stop)
     ids = encode_prompt(model, prompt)
+    if cache is not None and not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a kvcandle.KVCache, got {type(cache).__name__}")
     if prompt_cache is not None and not isinstance(prompt_cache, PromptCache):
         raise TypeError(f"prompt_cache must be a kvcandle.PromptCache, got {type(prompt_cache).__name__}")
     if prompt_cache is not None and prompt_cache.model is not model:

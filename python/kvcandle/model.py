@@ -16,7 +16,7 @@ from . import _core
 from ._default import default_model_path
 from ._ids import Ids, as_ids, common_prefix
 from .cache import KVCache
-from .errors import CacheError, InputError
+from .errors import CacheError, InputError, KVCandleError
 from .tokenizer import Tokenizer
 from .upstream import UpstreamModel
 
@@ -380,6 +380,8 @@ def _undone_if_raised(call: Callable[[], T], caches: Sequence[KVCache], lengths:
     go too, so an interrupted call leaves the caches as a refused one does."""
     try:
         return call()
+    except KVCandleError:  # refused before any change (another thread may hold a cache meanwhile)
+        raise
     except BaseException:
         for cache, n in zip(caches, lengths):
             try:
