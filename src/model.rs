@@ -413,11 +413,12 @@ impl Llama {
                 }
             } else {
                 // candle's products (float16, GPUs) do not keep rows independent bit for
-                // bit, so each chunk runs alone there, and a short one (what checking
-                // guessed tokens runs) one position at a time: what its ids give fed so
+                // bit, so each chunk runs alone there, and on the CPU a short one (what
+                // checking guessed tokens runs) one position at a time: what its ids give
+                // fed so (a GPU keeps its one pass: there a step is worth many rows)
                 for &b in &long {
                     let (chunk, want) = (chunks[b][r], all_logits || r + 1 == chunks[b].len());
-                    if chunk.len() <= SMALL_CHUNK {
+                    if chunk.len() <= SMALL_CHUNK && self.device.is_cpu() {
                         for (i, id) in chunk.iter().enumerate() {
                             let wanted = all_logits || (want && i + 1 == chunk.len());
                             outs[b].extend(self.prefill_chunk(std::slice::from_ref(id), caches[b], wanted, all_logits)?);
