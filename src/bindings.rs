@@ -289,21 +289,15 @@ impl Model {
         all_logits: bool,
     ) -> PyResult<Vec<Bound<'py, PyUntypedArray>>> {
         let vocab = self.inner.config().vocab_size;
-        let ids = ids
-            .iter()
-            .enumerate()
-            .map(|(b, ids)| id_list(ids, vocab).map_err(|e| PyErr::from_type(e.get_type(py), format!("sequence {b}: {}", e.value(py)))))
-            .collect::<PyResult<Vec<_>>>()?;
+        // an error of sequence b, of the kind a forward of it alone raises, names it
+        let named = |b: usize, e: PyErr| PyErr::from_type(e.get_type(py), format!("sequence {b}: {}", e.value(py)));
+        let ids = ids.iter().enumerate().map(|(b, ids)| id_list(ids, vocab).map_err(|e| named(b, e))).collect::<PyResult<Vec<_>>>()?;
         for (b, cache) in caches.iter().enumerate() {
             if let Some(first) = caches[..b].iter().position(|c| c.is(cache)) {
                 return Err(to_py(py, Error::Cache(format!("sequence {b} has the same cache as sequence {first}: each sequence needs its own (fork one)"))));
             }
         }
-        let mut guards = caches
-            .iter()
-            .enumerate()
-            .map(|(b, c)| c.try_borrow_mut().map_err(|_| to_py(py, Error::Cache(format!("sequence {b}: {CACHE_BUSY}")))))
-            .collect::<PyResult<Vec<_>>>()?;
+        let mut guards = caches.iter().enumerate().map(|(b, c)| write(c).map_err(|e| named(b, e))).collect::<PyResult<Vec<_>>>()?;
         let mut inner: Vec<&mut KvCache> = guards.iter_mut().map(|g| &mut g.inner).collect();
         let model = &self.inner;
         let logits = py.detach(|| no_panic(|| model.forward_batch(&ids, &mut inner, all_logits))).py_err(py)?;

@@ -20,7 +20,7 @@ from .cache import KVCache
 from ._checks import check_int, refuse, show
 from ._ids import as_ids
 from .errors import InputError, KVCandleError
-from .model import Model, prompt_chunk
+from .model import Model, crop_back, prompt_chunk
 from .prompt_cache import PromptCache
 from .sampling import apply_repetition_penalty, check_settings, sample
 from .speculative import Counts, Draft, Drafter, check_num_draft, drafter, speculative_step
@@ -849,8 +849,7 @@ class BatchGenerator:
                         s.logits = logits
                         self._start_waiting(s)
             except BaseException:  # interrupted here: the sequences not taken run their ids again
-                for c, n in zip(caches[taken:], lengths[taken:]):
-                    c._inner.crop(n)  # type: ignore[union-attr]
+                crop_back(caches[taken:], lengths[taken:])  # type: ignore[arg-type]
                 for s in running[:taken]:
                     if s.logits is not None and s.waiting:
                         self._start_waiting(s)

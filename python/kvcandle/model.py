@@ -383,13 +383,18 @@ def _undone_if_raised(call: Callable[[], T], caches: Sequence[KVCache], lengths:
     except KVCandleError:  # refused before any change (another thread may hold a cache meanwhile)
         raise
     except BaseException:
-        for cache, n in zip(caches, lengths):
-            try:
-                if len(cache) > n:
-                    cache._inner.crop(n)
-            except CacheError:  # in use by another call: this call did not change it
-                pass
+        crop_back(caches, lengths)
         raise
+
+
+def crop_back(caches: Sequence[KVCache], lengths: Sequence[int]) -> None:
+    """Crops each cache that grew past its length in ``lengths`` back to it (O(1))."""
+    for cache, n in zip(caches, lengths):
+        try:
+            if len(cache) > n:
+                cache._inner.crop(n)
+        except CacheError:  # in use by another call: this call did not change it
+            pass
 
 
 def load(
