@@ -294,6 +294,25 @@ def test_a_cache_that_is_not_a_cache_is_a_type_error(default_model):
             list(call(default_model, "Hi", max_tokens=2, cache="not a cache", n=2))
 
 
+def test_a_flag_that_is_not_a_bool_is_a_type_error(default_model, tiny_dirs):
+    """``quantized="no"`` is truthy: taken for its truth value it loaded the model
+    quantized. Flags are True or False (numpy bools too), anything else a TypeError
+    naming the flag, raised before any work."""
+    path = tiny_dirs["gqa"]
+    for value in ("no", "yes", 1, 0, None):
+        with pytest.raises(TypeError, match=r"quantized must be True or False, got "):
+            kvcandle.load(path, quantized=value)
+    assert not kvcandle.load(path, quantized=np.bool_(False)).quantized
+    cache = default_model.new_cache()
+    for value in ("False", 1, None):
+        with pytest.raises(TypeError, match="all_logits must be True or False"):
+            default_model.forward([1, 2], cache, all_logits=value)
+        with pytest.raises(TypeError, match="all_logits must be True or False"):
+            default_model.forward_batch([[1, 2]], [cache], all_logits=value)
+    assert len(cache) == 0
+    assert default_model.forward([1, 2], cache, all_logits=np.bool_(True)).shape == (2, default_model.config.vocab_size)
+
+
 def test_text_without_a_utf8_form_is_an_input_error(default_model):
     """A str with an unpaired surrogate (what a non-UTF-8 byte read with surrogateescape
     becomes) is refused as an InputError naming it, not a TypeError from the tokenizer."""

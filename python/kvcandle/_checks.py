@@ -71,3 +71,15 @@ def int_arg(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def bool_arg(value: object, name: str) -> bool:
+    """``value`` (a bool or numpy bool) as a Python bool: a flag given as anything else
+    (``quantized="no"`` is truthy) raises rather than being taken for its truth value.
+
+    Raises:
+        TypeError: otherwise, naming ``name``.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {show(value)}")
+    return bool(value)

@@ -13,6 +13,7 @@ from typing import Callable, Literal, Optional, Sequence, TypeVar, Union
 import numpy as np
 
 from . import _core
+from ._checks import bool_arg
 from ._default import default_model_path
 from ._ids import Ids, as_ids, common_prefix
 from .cache import KVCache
@@ -148,7 +149,8 @@ class Model:
             float32 logits, shape ``(vocab,)``, or ``(len(ids), vocab)`` with ``all_logits``.
 
         Raises:
-            TypeError: ``ids`` is not a list of ints / 1-D integer array.
+            TypeError: ``ids`` is not a list of ints / 1-D integer array, or
+                ``all_logits`` is not True or False.
             InputError: ``ids`` is empty.
             TokenIdError: an id is negative or ``>= vocab_size`` (an ``IndexError``).
             PositionError: ``len(cache) + len(ids) > cache.max_length``.
@@ -158,8 +160,8 @@ class Model:
             cache = self.new_cache()
         elif not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a kvcandle.KVCache, got {type(cache).__name__}")
-        checked = as_ids(ids)
-        return _undone_if_raised(lambda: self._inner.forward(checked, cache._inner, bool(all_logits)), [cache], [len(cache)])
+        checked, every = as_ids(ids), bool_arg(all_logits, "all_logits")
+        return _undone_if_raised(lambda: self._inner.forward(checked, cache._inner, every), [cache], [len(cache)])
 
     def forward_batch(self, ids: Sequence[Ids], caches: Sequence[KVCache], *, all_logits: bool = False) -> list[np.ndarray]:
         """Runs ``ids[b]`` after the tokens ``caches[b]`` holds, for every sequence b, in
@@ -186,6 +188,7 @@ class Model:
                 ``caches`` differ in length or are empty; ``CacheError`` when one cache
                 is given for two sequences.
         """
+        every = bool_arg(all_logits, "all_logits")
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise TypeError(f"ids must be a sequence of token id sequences, got {type(ids).__name__}")
         if not isinstance(caches, Sequence):
@@ -207,7 +210,7 @@ class Model:
                 checked.append(as_ids(seq))
             except TypeError as e:
                 raise TypeError(f"sequence {b}: {e}") from None
-        return _undone_if_raised(lambda: self._inner.forward_batch(checked, inner, bool(all_logits)), caches, lengths)
+        return _undone_if_raised(lambda: self._inner.forward_batch(checked, inner, every), caches, lengths)
 
     def check_sequence(self, ids: Ids, cache: KVCache) -> None:
         """Checks, without running or changing anything, that ``cache`` could hold ``ids``
@@ -431,6 +434,8 @@ def load(
         ModelNotFoundError: the path (or the default model) does not exist.
         ModelLoadError: the file is malformed or not a supported Llama model.
         DeviceError, DTypeError: the device or dtype is unknown or unsupported.
+        TypeError: ``path``, ``dtype`` or ``device`` is not a str, or ``quantized`` is
+            not True or False.
     """
     if path is None:
         resolved = default_model_path()
@@ -442,10 +447,11 @@ def load(
         raise TypeError(f"dtype must be a str, got {type(dtype).__name__}")
     if not isinstance(device, str):
         raise TypeError(f"device must be a str, got {type(device).__name__}")
+    quantized = bool_arg(quantized, "quantized")
     # a GGUF file's tokenizer is built from its header first: the lists its metadata
     # becomes in Python are gone before the weights take their memory
     tokenizer = None if resolved.is_dir() else Tokenizer.from_gguf_file(resolved)
-    inner = _core.Model.load(str(resolved), dtype, device, progress, bool(quantized))
+    inner = _core.Model.load(str(resolved), dtype, device, progress, quantized)
     if resolved.is_dir():
         tokenizer = Tokenizer.from_directory(resolved, inner.config()["eos_token_ids"])
     return Model(inner, tokenizer)

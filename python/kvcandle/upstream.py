@@ -23,7 +23,7 @@ import numpy as np
 from . import _core
 from ._default import default_model_path
 from ._ids import Ids, as_ids
-from ._checks import int_arg
+from ._checks import bool_arg, int_arg
 from .errors import CacheError, InputError, PositionError
 
 
@@ -66,7 +66,7 @@ class UpstreamModel:
 
     def new_cache(self, use_kv_cache: bool = True) -> UpstreamCache:
         """``Cache::new(use_kv_cache, dtype, config, device)``."""
-        return UpstreamCache(self._inner.new_cache(bool(use_kv_cache)))
+        return UpstreamCache(self._inner.new_cache(bool_arg(use_kv_cache, "use_kv_cache")))
 
     def forward(self, ids: Ids, index_pos: int, cache: UpstreamCache) -> np.ndarray:
         """``Llama::forward(ids, index_pos, cache)``: float32 logits of the last position.
