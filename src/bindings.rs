@@ -653,6 +653,13 @@ fn held_bytes(caches: Vec<Bound<'_, KVCache>>) -> PyResult<usize> {
     Ok(KvCache::held_bytes(guards.iter().map(|g| &g.inner)))
 }
 
+/// Removes the temporary files a killed save left in `directory` for target files whose
+/// names start with `prefix` (their processes no longer run); returns how many.
+#[pyfunction]
+fn remove_stale_temporaries(py: Python<'_>, directory: PathBuf, prefix: &str) -> usize {
+    py.detach(|| cache_file::remove_stale_temporaries(&directory, |target| target.starts_with(prefix)))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pin_thread_count();
@@ -664,6 +671,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Model>()?;
     m.add_function(wrap_pyfunction!(read_gguf_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(held_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_stale_temporaries, m)?)?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
     m.add_function(wrap_pyfunction!(simd_levels, m)?)?;
     m.add_function(wrap_pyfunction!(prefetch_level, m)?)?;

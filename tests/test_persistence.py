@@ -188,3 +188,22 @@ def test_a_save_killed_mid_write_leaves_the_previous_file_loadable(tmp_path: Pat
     model = kvcandle.load()
     loaded = kvcandle.load_cache(path, model)
     assert loaded.tokens in (list(range(10, 20)), list(range(10, 20)) + list(range(100, 1100)))
+    # The next save to the path removes the temporary file the killed process may have
+    # left (as large as the cache), and only temporaries of that path whose process no
+    # longer runs: made here for certain, beside one of a running process (pid 1), one
+    # of this process (another thread of it may be writing) and one of another file.
+    dead = child.pid
+    made = {
+        f".c.kvcache.{dead}-17.tmp": False,
+        ".c.kvcache.1-17.tmp": True,
+        f".c.kvcache.{os.getpid()}-17.tmp": True,
+        f".d.kvcache.{dead}-17.tmp": True,
+        f".c.kvcache.{dead}-x.tmp": True,  # not a name a save writes
+    }
+    for name in made:
+        (tmp_path / name).write_bytes(b"partial")
+    loaded.save(path)
+    for name, stays in made.items():
+        assert (tmp_path / name).exists() == stays, name
+    assert not [p.name for p in tmp_path.glob(f".c.kvcache.{dead}-*.tmp") if not p.name.endswith("-x.tmp")]
+    assert kvcandle.load_cache(path, model).tokens == loaded.tokens

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -166,6 +168,41 @@ def test_prompt_cache_saves_and_loads_a_directory(tiny: kvcandle.Model, tiny_mod
     victim.write_bytes(victim.read_bytes()[:50])
     with pytest.warns(kvcandle.KVCandleWarning, match=victim.name):
         assert len(kvcandle.PromptCache.load(tmp_path, tiny, max_bytes=10**9)) == 0
+
+
+def test_prompt_cache_save_removes_temporaries_killed_saves_left(tiny: kvcandle.Model, tiny_models: dict[str, kvcandle.Model], tmp_path: Path) -> None:
+    """A save killed between writing and renaming leaves a hidden temporary file as large
+    as the cache; an entry evicted since is never saved again, so the next
+    ``PromptCache.save`` removes this model's temporaries whose process has ended, and
+    nothing else."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    pc = kvcandle.PromptCache(tiny, max_bytes=10**9)
+    c = tiny.new_cache()
+    tiny.forward([3] * 4, c)
+    pc.insert(c)
+    pc.save(tmp_path)
+    (entry,) = tmp_path.iterdir()
+    other = kvcandle.PromptCache(tiny_models["mha_tied"], max_bytes=10**9)
+    oc = tiny_models["mha_tied"].new_cache()
+    tiny_models["mha_tied"].forward([4, 4], oc)
+    other.insert(oc)
+    other.save(tmp_path)
+    (other_entry,) = set(tmp_path.iterdir()) - {entry}
+    prefix = entry.name[: entry.name.index("-") + 1]
+    assert not other_entry.name.startswith(prefix)
+    made = {
+        f".{prefix}0123abcd.kvcache.safetensors.{gone.pid}-5.tmp": False,  # an evicted entry's, its process gone
+        f".{entry.name}.{gone.pid}-6.tmp": False,
+        f".{prefix}0123abcd.kvcache.safetensors.1-5.tmp": True,  # a running process's
+        f".{other_entry.name}.{gone.pid}-5.tmp": True,  # another model's
+    }
+    for name in made:
+        (tmp_path / name).write_bytes(b"partial")
+    pc.save(tmp_path)
+    for name, stays in made.items():
+        assert (tmp_path / name).exists() == stays, name
+    assert entry.exists() and other_entry.exists()
 
 
 def test_prompt_cache_files_of_two_loads_of_one_file_are_apart(default_model: kvcandle.Model, default_quantized: kvcandle.Model, tmp_path: Path) -> None:

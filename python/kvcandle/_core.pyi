@@ -6,7 +6,7 @@ from typing import Any, Callable
 import numpy as np
 from typing_extensions import final
 
-__all__ = ["Model", "KVCache", "UpstreamModel", "UpstreamKVCache", "SentencePiece", "compiled_devices", "read_gguf_metadata", "held_bytes", "simd_level", "simd_levels", "prefetch_level", "one_input_rows", "SIMD_ENV", "PREFETCH_ENV", "ROWS_ENV", "BLOCK_LEN", "SMALL_CHUNK", "PREFILL_CHUNK", "PREFILL_ROWS", "__version__"]
+__all__ = ["Model", "KVCache", "UpstreamModel", "UpstreamKVCache", "SentencePiece", "compiled_devices", "read_gguf_metadata", "held_bytes", "remove_stale_temporaries", "simd_level", "simd_levels", "prefetch_level", "one_input_rows", "SIMD_ENV", "PREFETCH_ENV", "ROWS_ENV", "BLOCK_LEN", "SMALL_CHUNK", "PREFILL_CHUNK", "PREFILL_ROWS", "__version__"]
 
 __version__: str
 compiled_devices: list[str]
@@ -24,6 +24,7 @@ def prefetch_level() -> str: ...
 def one_input_rows() -> int: ...
 
 def held_bytes(caches: list[KVCache]) -> int: ...
+def remove_stale_temporaries(directory: str | os.PathLike[str], prefix: str) -> int: ...
 
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]: ...
 

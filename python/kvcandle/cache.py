@@ -189,7 +189,9 @@ class KVCache:
         :func:`kvcandle.load_cache`.
 
         The file is written beside ``path`` under a temporary name, flushed to disk and
-        renamed over ``path``: an interrupted save leaves an earlier file intact.
+        renamed over ``path``: an interrupted save leaves an earlier file intact, and the
+        temporary file of a save whose process was killed is removed by the next save to
+        ``path``.
 
         Raises:
             CacheFileError: the file cannot be written (the message says why).

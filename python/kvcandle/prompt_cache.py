@@ -18,6 +18,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Union
 
+from . import _core
 from ._checks import check_int
 from ._ids import Ids, as_ids, common_prefix
 from .cache import KVCache, held_bytes
@@ -135,7 +136,9 @@ class PromptCache:
     def save(self, directory: Union[str, "os.PathLike[str]"]) -> None:
         """Writes each entry to ``directory`` (made if missing) as a cache file
         (:meth:`KVCache.save`: atomic), and removes this model's files of entries no
-        longer held. Files of other models in the directory are left alone.
+        longer held and the temporary files of its saves that a killed process left
+        (a process still running keeps its own). Files of other models in the directory
+        are left alone.
 
         Raises:
             CacheFileError: the directory or a file cannot be made, written or removed.
@@ -154,6 +157,8 @@ class PromptCache:
             for old in folder.glob(f"{prefix}*{SUFFIX}"):
                 if old.name not in keep:
                     old.unlink(missing_ok=True)
+            # what a save of this model's entries killed halfway left (as large as a cache)
+            _core.remove_stale_temporaries(folder, prefix)
         except OSError as e:
             raise CacheFileError(f"prompt cache directory {folder}: {e.strerror or e}" + (f": {e.filename}" if e.filename else "")) from None
 

@@ -113,7 +113,8 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         _ => PathBuf::from("."),
     };
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    let tmp = dir.join(format!(".{}.{}-{nanos}.tmp", name.to_string_lossy(), std::process::id()));
+    let name = name.to_string_lossy();
+    let tmp = dir.join(format!(".{name}.{}-{nanos}{TEMPORARY}", std::process::id()));
     let written = (|| -> std::io::Result<()> {
         let mut f = File::options().write(true).create_new(true).open(&tmp)?;
         f.write_all(bytes)?;
@@ -129,7 +130,58 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     if let Ok(d) = File::open(&dir) {
         let _ = d.sync_all();
     }
+    remove_stale_temporaries(&dir, |target| target == name);
     Ok(())
+}
+
+/// How the temporary files of [`write_atomically`] end: `.NAME.PID-NANOS.tmp` (hidden,
+/// beside the file NAME they become, with the writing process's id).
+const TEMPORARY: &str = ".tmp";
+
+/// Removes from `dir` the temporary files of [`write_atomically`] whose target name
+/// `wanted` accepts and whose writing process no longer runs: what a save killed between
+/// writing and renaming left (a file as large as the cache; nothing else ever removes
+/// it). A temporary of a running process (this one included: another thread may be
+/// writing it) is left alone, as is one whose process cannot be told (not Unix). Returns
+/// how many were removed; a file that cannot be removed is left as it is.
+pub fn remove_stale_temporaries(dir: &Path, wanted: impl Fn(&str) -> bool) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let Some((target, pid)) = file.to_str().and_then(temporary_of) else { continue };
+        if wanted(target) && pid != std::process::id() && !process_runs(pid) && std::fs::remove_file(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// The target name and the writing process of a temporary file's name, if it is one.
+fn temporary_of(file: &str) -> Option<(&str, u32)> {
+    let (target, stamp) = file.strip_prefix('.')?.strip_suffix(TEMPORARY)?.rsplit_once('.')?;
+    let (pid, nanos) = stamp.split_once('-')?;
+    nanos.parse::<u128>().ok()?;
+    Some((target, pid.parse().ok()?))
+}
+
+/// Whether process `pid` runs (or cannot be told not to: any answer but "no such
+/// process" counts as running).
+fn process_runs(pid: u32) -> bool {
+    #[cfg(unix)]
+    {
+        let Ok(pid) = i32::try_from(pid) else { return true };
+        // SAFETY: signal 0 sends nothing; it only checks that the process exists
+        if unsafe { libc::kill(pid, 0) } == 0 {
+            return true;
+        }
+        std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = pid;
+        true
+    }
 }
 
 /// Reads a cache file for `model`; returns the cache and the file's metadata. Every
@@ -354,5 +406,21 @@ mod tests {
         // with the checksum, every mutant that still parses but changed a byte is refused
         assert!(refused > 2900, "only {refused} of 3000 mutants refused");
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn temporary_names_are_read_back_and_nothing_else() {
+        assert_eq!(temporary_of(".c.kvcache.42-1700000000000000000.tmp"), Some(("c.kvcache", 42)));
+        assert_eq!(temporary_of(".a.b.c.7-0.tmp"), Some(("a.b.c", 7)));
+        for name in ["c.kvcache.42-1.tmp", ".c.kvcache.42-1", ".c.kvcache.x-1.tmp", ".c.kvcache.42-x.tmp", ".c.kvcache.42.tmp", ".tmp", ".42-1.tmp"] {
+            assert_eq!(temporary_of(name), None, "{name}");
+        }
+        // this process runs; a process that ended does not
+        assert!(process_runs(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().expect("`true` runs");
+        let pid = child.id();
+        child.wait().expect("`true` ends");
+        #[cfg(unix)]
+        assert!(!process_runs(pid));
     }
 }
