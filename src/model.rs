@@ -570,9 +570,20 @@ impl Norm {
     }
 
     /// One vector: `out = x / sqrt(mean(x²) + eps) * weight`, the mean accumulated in
-    /// float64.
+    /// float64, in eight independent sums (lane j: elements j, j + 8, ...) added at the
+    /// end: one sum's chain of dependent additions took about 0.6 us a row of 576 (two
+    /// norms a layer, 1 % of a quantized decode step), eight run side by side in vector
+    /// registers.
     fn apply(&self, x: &[f32], out: &mut [f32]) {
-        let mean = x.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / x.len() as f64;
+        let mut lanes = [0f64; 8];
+        let whole = x.chunks_exact(8);
+        let rest: f64 = whole.remainder().iter().map(|v| (*v as f64) * (*v as f64)).sum();
+        for c in whole {
+            for (s, v) in lanes.iter_mut().zip(c) {
+                *s += (*v as f64) * (*v as f64);
+            }
+        }
+        let mean = (lanes.iter().sum::<f64>() + rest) / x.len() as f64;
         let scale = (1.0 / (mean + self.eps).sqrt()) as f32;
         for ((o, v), w) in out.iter_mut().zip(x).zip(&self.floats) {
             *o = v * scale * w;

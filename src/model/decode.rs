@@ -22,6 +22,7 @@ use super::cache::attend_rows;
 use crate::kernels::qmatvec::QInput;
 use crate::linear::{Input, View};
 use crate::kernels::activation::silu_mul;
+use crate::rope::Angles;
 use crate::kernels::team::{Shards, Team};
 use std::sync::OnceLock;
 
@@ -49,6 +50,8 @@ impl Llama {
         // (sequence, position) of every row, sequence by sequence
         let rows: Vec<(usize, usize)> = ids.iter().zip(caches.iter()).enumerate().flat_map(|(b, (ids, cache))| (0..ids.len()).map(move |j| (b, cache.len() + j))).collect();
         let n = rows.len();
+        // each row's rotation angles, for every layer
+        let angles: Vec<Angles> = rows.iter().map(|&(_, p)| self.rope.angles(p)).collect();
         let mut x = ids.iter().flat_map(|ids| ids.iter()).map(|&id| self.embed_one(id)).collect::<Result<Vec<_>>>()?;
         let mut xn = vec![vec![0f32; c.hidden_size]; n];
         let mut qkv = vec![vec![0f32; (heads + 2 * kv_heads) * d]; n];
@@ -63,7 +66,7 @@ impl Llama {
             let shared: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
             each_row(team, &mut qkv, |r, row| {
                 let (b, p) = rows[r];
-                self.rotate_and_store(row, shared[b], i, p)
+                self.rotate_and_store(row, &angles[r], shared[b], i, p)
             })
             .into_iter()
             .collect::<Result<()>>()?;
@@ -103,12 +106,13 @@ impl Llama {
 
 impl Llama {
     /// One row of the stacked q/k/v product, at position `p`: its queries and keys
-    /// rotated in place, its keys and values written to `cache`'s `layer` (reserved).
-    pub(super) fn rotate_and_store(&self, row: &mut [f32], cache: &KvCache, layer: usize, p: usize) -> Result<()> {
+    /// rotated in place by `p`'s angles, its keys and values written to `cache`'s `layer`
+    /// (reserved).
+    pub(super) fn rotate_and_store(&self, row: &mut [f32], angles: &Angles, cache: &KvCache, layer: usize, p: usize) -> Result<()> {
         let c = &self.config;
         let (q, kv) = row.split_at_mut(c.num_attention_heads * c.head_dim);
         let (k, v) = kv.split_at_mut(c.num_key_value_heads * c.head_dim);
-        self.rope.rotate(q, k, p);
+        self.rope.rotate(q, k, angles);
         cache.write_at(layer, p, k, v)
     }
 

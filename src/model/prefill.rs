@@ -13,6 +13,7 @@
 
 use super::*;
 use crate::kernels::activation::silu_mul;
+use crate::rope::Angles;
 use crate::kernels::team::{Shards, Team};
 use crate::linear::Out;
 
@@ -34,6 +35,7 @@ impl Llama {
         // (chunk, position) of every row
         let rows: Vec<(usize, usize)> = ids.iter().enumerate().flat_map(|(b, ids)| (0..ids.len()).map(move |j| (b, j))).map(|(b, j)| (b, offsets[b] + j)).collect();
         let n = rows.len();
+        let angles: Vec<Angles> = rows.iter().map(|&(_, p)| self.rope.angles(p)).collect();
         let mut x = Vec::with_capacity(n * hidden);
         for ids in ids {
             x.extend(self.embed(ids)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
@@ -49,7 +51,7 @@ impl Llama {
             layer.attn.qkv.product_into(&xn, into(&mut qkv, width, false))?;
             by_rows(team, &mut qkv, width, |r, row| {
                 let (b, p) = rows[r];
-                self.rotate_and_store(row, shared[b], i, p)
+                self.rotate_and_store(row, &angles[r], shared[b], i, p)
             })?;
             for (b, cache) in shared.iter().enumerate() {
                 let (first, seq) = (firsts[b], ids[b].len());
