@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -224,6 +225,46 @@ def test_prompt_cache_files_of_two_loads_of_one_file_are_apart(default_model: kv
         back.clear()
         back.save(tmp_path)  # removes its own file only
     assert list(tmp_path.iterdir()) == []
+
+
+def test_prompt_cache_files_of_the_earlier_naming_are_read_and_renamed(default_model: kvcandle.Model, default_quantized: kvcandle.Model, tmp_path: Path) -> None:
+    """Until 2026-12-07 a prompt cache's files were named by the weights' hash alone (the
+    float32 and quantized loads of one file shared it). Each model's load reads its own
+    of them (the other's are left alone, with no warning) and the next save to the
+    directory writes them under the current naming and removes them."""
+    ids = {m: m.tokenizer.encode(text) for m, text in ((default_model, "The capital of France is"), (default_quantized, "The capital of Italy is"))}
+    current = {}
+    for model in (default_model, default_quantized):
+        pc = kvcandle.PromptCache(model, max_bytes=10**9)
+        c = model.new_cache()
+        model.forward(ids[model], c)
+        pc.insert(c)
+        before = set(tmp_path.iterdir())
+        pc.save(tmp_path)
+        (path,) = set(tmp_path.iterdir()) - before
+        current[model] = path.name
+        # the same file as the earlier naming had it: the weights' hash, then the entry's digest
+        earlier = model.fingerprint["model.weights"][:16] + path.name[path.name.index("-"):]
+        path.rename(tmp_path / earlier)
+    assert len(list(tmp_path.iterdir())) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the other model's earlier file is not "damaged"
+        back = kvcandle.PromptCache.load(tmp_path, default_model, max_bytes=10**9)
+    assert back.entries() == [ids[default_model]]
+    assert np.array_equal(back.lookup(ids[default_model]).layers[3].values, _prefilled(default_model, ids[default_model]).layers[3].values)
+    back.save(tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert current[default_model] in names and len(names) == 2  # renamed; the quantized model's untouched
+    back_q = kvcandle.PromptCache.load(tmp_path, default_quantized, max_bytes=10**9)
+    assert back_q.entries() == [ids[default_quantized]]
+    back_q.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(current.values())
+
+
+def _prefilled(model: kvcandle.Model, ids: list[int]) -> kvcandle.KVCache:
+    cache = model.new_cache()
+    model.forward(ids, cache)
+    return cache
 
 
 def test_prompt_cache_an_entry_that_never_fits_evicts_nothing(default_model: kvcandle.Model) -> None:

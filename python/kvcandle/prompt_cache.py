@@ -47,6 +47,9 @@ class PromptCache:
         self._max_bytes = check_int("max_bytes", max_bytes, minimum=0, rule="a non-negative int")
         # token ids held -> a fork; the most recently used last
         self._entries: "OrderedDict[tuple[int, ...], KVCache]" = OrderedDict()
+        # files of the earlier naming that :meth:`load` read: removed by a save to their
+        # directory, which writes their entries under this naming
+        self._renamed: list[Path] = []
 
     @property
     def model(self) -> Model:
@@ -133,6 +136,11 @@ class PromptCache:
         fingerprint = json.dumps(self._model.fingerprint, sort_keys=True)
         return hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest() + "-"
 
+    def _earlier_prefix(self) -> str:
+        # how files were named until 2026-12-07: by the weights' hash alone, which every
+        # load of one weights file shares (float32, quantized, float16)
+        return self._model.fingerprint["model.weights"][:16] + "-"
+
     def save(self, directory: Union[str, "os.PathLike[str]"]) -> None:
         """Writes each entry to ``directory`` (made if missing) as a cache file
         (:meth:`KVCache.save`: atomic), and removes this model's files of entries no
@@ -159,6 +167,10 @@ class PromptCache:
                     old.unlink(missing_ok=True)
             # what a save of this model's entries killed halfway left (as large as a cache)
             _core.remove_stale_temporaries(folder, prefix)
+            for earlier in self._renamed:
+                if earlier.parent.resolve() == folder.resolve():
+                    earlier.unlink(missing_ok=True)
+            self._renamed = [p for p in self._renamed if p.exists()]
         except OSError as e:
             raise CacheFileError(f"prompt cache directory {folder}: {e.strerror or e}" + (f": {e.filename}" if e.filename else "")) from None
 
@@ -167,7 +179,10 @@ class PromptCache:
         """A prompt cache holding the entries :meth:`save` wrote to ``directory`` for
         ``model`` (the most recently written count as the most recently used). A missing
         directory gives an empty prompt cache; a damaged file is skipped with a
-        :class:`kvcandle.KVCandleWarning` naming it.
+        :class:`kvcandle.KVCandleWarning` naming it. Files saved before 2026-12-07 (named
+        by the weights' hash alone) are read too, this model's of them; the next
+        :meth:`save` to the directory writes them under the current naming and removes
+        them.
 
         Raises:
             CacheFileError: ``directory`` exists and is not a directory (:meth:`save`
@@ -179,14 +194,20 @@ class PromptCache:
             if folder.exists():
                 raise CacheFileError(f"prompt cache directory {folder}: not a directory")
             return pc
-        files = sorted(folder.glob(f"{pc._prefix()}*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
-        for path in files:
+        current = list(folder.glob(f"{pc._prefix()}*{SUFFIX}"))
+        # files of the earlier naming: this model's load (the others' are theirs to read)
+        earlier = [] if pc._earlier_prefix() == pc._prefix() else list(folder.glob(f"{pc._earlier_prefix()}*{SUFFIX}"))
+        for path in sorted(current + earlier, key=lambda p: p.stat().st_mtime):
             try:
                 cache = model.load_cache(path)
             except KVCandleError as e:
+                if path in earlier and isinstance(e, CacheError):  # another load of the same weights file saved it
+                    continue
                 warnings.warn(f"prompt cache: skipped {path.name}: {e}", KVCandleWarning, stacklevel=2)
                 continue
             pc.insert(cache)
+            if path in earlier:
+                pc._renamed.append(path)
         return pc
 
     def __repr__(self) -> str:
