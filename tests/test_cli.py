@@ -182,7 +182,7 @@ def test_chat_save_and_load(tmp_path):
     path = tmp_path / "chat.kvcache"
     q = "What is the capital of France?"
     code, out, _ = run(["chat", "--max-tokens", "30"], stdin=f"{q}\n/save {path}\n")
-    assert code == 0 and f"(saved 1 turns" in out and path.exists()
+    assert code == 0 and "(saved 1 turns" in out and path.exists()
     code, resumed, _ = run(["chat", "--max-tokens", "30"], stdin=f"/load {path}\nAnd of Italy?\n")
     assert code == 0 and "(loaded 1 turns" in resumed
     _, straight, _ = run(["chat", "--max-tokens", "30"], stdin=f"{q}\nAnd of Italy?\n")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvcandle
-from builders import SHAPES, RawGGUF, Shape, hf_config, max_abs, ref_logits, tiny_weights, write_gguf, write_hf_dir
+from builders import SHAPES, RawGGUF, hf_config, max_abs, ref_logits, tiny_weights, write_gguf, write_hf_dir
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
