@@ -105,6 +105,21 @@ def test_missing_model_is_a_one_line_error(tmp_path):
         assert code == 1 and err.startswith("kvcandle: error: model not found:") and err.count("\n") == 1
 
 
+def test_an_option_without_the_one_it_works_with_is_refused(tmp_path):
+    """``--num-draft 3`` without ``--draft`` decoded without guesses, and
+    ``--prompt-cache-bytes`` without ``--prompt-cache`` kept nothing: options that would be
+    ignored are one-line errors naming both, before the model loads."""
+    for argv, words in [
+        (["generate", "hi", "--num-draft", "3"], "--num-draft works with --draft"),
+        (["chat", "--num-draft", "3"], "--num-draft works with --draft"),
+        (["generate", "hi", "--prompt-cache-bytes", "1000"], "--prompt-cache-bytes works with --prompt-cache"),
+        (["generate", "hi", "--prompt-cache", str(tmp_path), "--prompt-cache-bytes", "-5"], "--prompt-cache-bytes must be at least 0, got -5"),
+    ]:
+        code, out, err = run([*argv, "--model", str(tmp_path / "nope.gguf")])  # refused before the load
+        assert (code, out) == (1, "") and err == f"kvcandle: error: {words}" + (", which is not given" if "works" in words else "") + "\n", argv
+    assert not list(tmp_path.iterdir())
+
+
 def test_chat_needs_a_template(tiny_dirs):
     code, _, err = run(["chat", "--model", str(tiny_dirs["gqa"])], stdin="hi\n")
     assert code == 1 and "chat template" in err

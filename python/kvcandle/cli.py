@@ -99,13 +99,39 @@ def load_draft(args: argparse.Namespace, err: IO[str]) -> Optional[Draft]:
     return load_with_progress(args.draft, err, False)
 
 
+#: how many bytes of caches a prompt cache keeps unless told (generate and serve)
+PROMPT_CACHE_BYTES = 1 << 30
+
+
+def refuse_unused(args: argparse.Namespace, needs: dict[str, str]) -> None:
+    """Refuses an option given without the one it works with (``needs``: option ->
+    option it needs, as argparse destinations): it would be ignored, and the run would not
+    be the one asked for (``--num-draft 3`` without ``--draft`` decodes without guesses)."""
+    def flag(dest: str) -> str:
+        return "--" + dest.replace("_", "-")
+
+    for name, other in needs.items():
+        if getattr(args, name) is not None and getattr(args, other) is None:
+            raise CommandError(f"{flag(name)} works with {flag(other)}, which is not given")
+
+
+def draft_settings(args: argparse.Namespace) -> dict:
+    """The speculative decoding keywords ``--draft`` and ``--num-draft`` give (the
+    library's own default guesses unless ``--num-draft`` says)."""
+    return {} if args.num_draft is None else {"num_draft": args.num_draft}
+
+
 def cmd_generate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
+    refuse_unused(args, {"num_draft": "draft", "prompt_cache_bytes": "prompt_cache"})
+    cache_bytes = PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
+    if cache_bytes < 0:
+        raise CommandError(f"--prompt-cache-bytes must be at least 0, got {cache_bytes}")
     model = load_with_progress(args.model, err, args.quantized)
     draft = load_draft(args, err)
     ids = encode_prompt(model, args.prompt)
     prompt_cache = None
     if args.prompt_cache:
-        prompt_cache = PromptCache.load(args.prompt_cache, model, max_bytes=args.prompt_cache_bytes)
+        prompt_cache = PromptCache.load(args.prompt_cache, model, max_bytes=cache_bytes)
         cache = prompt_cache.lookup(ids)
     else:
         cache = model.new_cache()
@@ -115,7 +141,7 @@ def cmd_generate(args: argparse.Namespace, out: IO[str], err: IO[str]) -> int:
         for piece in stream_generate(
             model, ids, max_tokens=args.max_tokens, cache=cache, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or None, stats=stats,
-            draft=draft, num_draft=args.num_draft,
+            draft=draft, **draft_settings(args),
         ):
             out.write(piece.text)
             out.flush()
@@ -160,6 +186,7 @@ CHAT_HELP = """commands:
 
 
 def cmd_chat(args: argparse.Namespace, inp: IO[str], out: IO[str], err: IO[str]) -> int:
+    refuse_unused(args, {"num_draft": "draft"})
     model = load_with_progress(args.model, err, args.quantized)
     draft = load_draft(args, err)
     try:
@@ -208,7 +235,7 @@ def cmd_chat(args: argparse.Namespace, inp: IO[str], out: IO[str], err: IO[str])
             out.flush()
             continue
 
-        pieces = chat.stream(text, max_tokens=args.max_tokens, temperature=args.temperature, draft=draft, num_draft=args.num_draft)
+        pieces = chat.stream(text, max_tokens=args.max_tokens, temperature=args.temperature, draft=draft, **draft_settings(args))
         try:
             for piece in pieces:
                 out.write(piece.text)
@@ -301,10 +328,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--prompt-cache", metavar="DIR", default=None, help="reuse the longest saved prefix of the prompt from DIR, and save this run's cache there")
-    g.add_argument("--prompt-cache-bytes", type=int, default=1 << 30, help="the most bytes of caches DIR keeps (default 1 GiB)")
+    g.add_argument("--prompt-cache-bytes", type=int, default=None, help=f"the most bytes of caches DIR keeps (default {PROMPT_CACHE_BYTES >> 30} GiB)")
     draft_help = 'speculative decoding: "quantized" (the same file with --quantized as the draft), "prompt-lookup", or a draft model path'
     g.add_argument("--draft", default=None, help=draft_help)
-    g.add_argument("--num-draft", type=int, default=4, help="guesses a round starts with (adapted to what is kept)")
+    num_draft_help = "with --draft: guesses a round starts with (adapted to what is kept)"
+    g.add_argument("--num-draft", type=int, default=None, help=num_draft_help)
 
     c = sub.add_parser("chat", help="chat, keeping one KV cache across turns (/help lists the commands)")
     c.add_argument("--model", default=None, help=model_help)
@@ -313,7 +341,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--draft", default=None, help=draft_help)
-    c.add_argument("--num-draft", type=int, default=4, help="guesses a round starts with (adapted to what is kept)")
+    c.add_argument("--num-draft", type=int, default=None, help=num_draft_help)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'kvcandle[server]')")
     s.add_argument("--model", default=None, help=model_help)
@@ -323,7 +351,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model's id in the API (default: the file name without its quantization)")
     s.add_argument("--max-batch", type=int, default=8, help="the most sequences decoded together (n counts each); more requests wait")
     s.add_argument("--max-queue", type=int, default=64, help="the most requests waiting; more get 503 (default 64)")
-    s.add_argument("--prompt-cache-bytes", type=int, default=1 << 30, help="the most bytes of caches kept for prompt reuse (default 1 GiB; 0 turns reuse off)")
+    s.add_argument("--prompt-cache-bytes", type=int, default=PROMPT_CACHE_BYTES, help=f"the most bytes of caches kept for prompt reuse (default {PROMPT_CACHE_BYTES >> 30} GiB; 0 turns reuse off)")
     s.add_argument("--prompt-cache-dir", default=None, help="save the prompt caches in DIR and find them again after a restart")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="the largest request body taken (default 1 MiB)")
 
