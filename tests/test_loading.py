@@ -168,6 +168,65 @@ def test_directory_problems(tmp_path):
         kvcandle.load(d7)
 
 
+def _dir_with_config(directory, shape, config: dict):
+    write_hf_dir(directory, shape)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_every_spelling_of_the_rotary_settings_gives_the_same_model(tmp_path):
+    """transformers >= 5 writes the rotary embedding's settings as ``rope_parameters``
+    (``rope_theta``, ``rope_type`` and the scaling's numbers) instead of the top-level
+    ``rope_theta`` / ``rope_scaling``; kvcandle ignored them (theta 10,000 and no
+    scaling: logits off by up to 5 on such a tiny model). Every spelling transformers
+    reads (``rope_parameters``, ``rope_scaling`` with ``type`` for ``rope_type``, a
+    ``default`` type for no scaling) gives, bit for bit, the model of the older fields,
+    whose logits the parity tests check against transformers in float64."""
+    llama3 = next(s for s in SHAPES if s.llama3_rope is not None)
+    plain = dataclasses.replace(SHAPES[0], theta=500000.0)
+    ids = [3, 17, 5, 60, 2, 9, 33, 41]
+    for shape in (llama3, plain):
+        base = hf_config(shape)
+        scaling = base["rope_scaling"]
+        spellings = {
+            "rope_parameters": {k: v for k, v in base.items() if k not in ("rope_theta", "rope_scaling")}
+            | {"rope_parameters": {"rope_theta": shape.theta, **(scaling or {"rope_type": "default"})}},
+            "both": base | {"rope_parameters": {"rope_theta": shape.theta, **(scaling or {"rope_type": "default"})}},
+            "type": base | {"rope_scaling": None if scaling is None else {("type" if k == "rope_type" else k): v for k, v in scaling.items()}},
+        }
+        if scaling is None:
+            spellings["default type"] = base | {"rope_scaling": {"rope_type": "default"}}
+        old = kvcandle.load(write_hf_dir(tmp_path / f"{shape.name}-old", shape))
+        want = old.forward(ids, all_logits=True)
+        for name, config in spellings.items():
+            model = kvcandle.load(_dir_with_config(tmp_path / f"{shape.name}-{name}", shape, config))
+            assert model.config.rope_theta == shape.theta, (shape.name, name)
+            assert np.array_equal(model.forward(ids, all_logits=True), want), (shape.name, name)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"attention_bias": True}, "attention_bias true is not supported"),
+        ({"mlp_bias": True}, "mlp_bias true is not supported"),
+        ({"hidden_act": "gelu"}, 'hidden_act "gelu" is not supported'),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}, 'unsupported rope_parameters .*"linear"'),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_parameters"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "unsupported rope_scaling"),
+        ({"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}, "rope_theta 10000.0 and rope_parameters' rope_theta 500000.0 differ"),
+        ({"rope_parameters": "llama3"}, "rope_parameters should be an object"),
+    ],
+)
+def test_settings_kvcandles_llama_does_not_run_are_refused(tmp_path, change, message):
+    """Biases, an activation other than SiLU and rotary scalings other than Llama 3's
+    change what transformers' Llama computes: such a model is refused, naming the field,
+    never loaded to compute other numbers (each of these loaded before, logits off by
+    0.9 to 10 on a tiny model)."""
+    d = _dir_with_config(tmp_path / "d", SHAPES[0], hf_config(SHAPES[0]) | change)
+    with pytest.raises(kvcandle.ModelLoadError, match=message):
+        kvcandle.load(d)
+
+
 def test_missing_shard(tmp_path):
     d = write_hf_dir(tmp_path / "sh", SHAPES[0], shards=2)
     (d / "model-00002-of-00002.safetensors").unlink()

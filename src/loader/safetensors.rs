@@ -119,6 +119,80 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files.into_iter().collect())
 }
 
+/// Refuses what a Llama `config.json` can ask for that kvcandle's forward does not do, so
+/// that such a model never loads and computes other numbers: biases on the attention's or
+/// the MLP's products, and an activation other than SiLU (transformers' Llama honours
+/// each of them).
+fn refuse_unsupported(json: &serde_json::Value) -> std::result::Result<(), String> {
+    for field in ["attention_bias", "mlp_bias"] {
+        match json.get(field) {
+            None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => {}
+            Some(v) => return Err(format!("{field} {v} is not supported: kvcandle's Llama has no biases")),
+        }
+    }
+    match json.get("hidden_act") {
+        None | Some(serde_json::Value::Null) => Ok(()),
+        Some(serde_json::Value::String(a)) if a == "silu" || a == "swish" => Ok(()),
+        Some(v) => Err(format!("hidden_act {v} is not supported: kvcandle's Llama runs \"silu\"")),
+    }
+}
+
+/// `json` with its rotary embedding's settings where candle's `LlamaConfig` reads them:
+/// `rope_theta` at the top and a `rope_scaling` only for Llama 3's scaling (its
+/// `rope_type` key, which older files call `type`). transformers 5 writes them as
+/// `rope_parameters` (`rope_theta` and `rope_type` with the scaling's numbers beside
+/// them), which is read the same way; a scaling of type `default` is no scaling. Any
+/// other type (linear, dynamic, yarn, ...) is refused, naming where it was found, and so
+/// are two places that disagree.
+fn with_rope_as_candle_reads_it(mut json: serde_json::Value) -> std::result::Result<serde_json::Value, String> {
+    use serde_json::Value;
+    let Some(top) = json.as_object_mut() else { return Ok(json) };
+    // (field, its scaling) of each place that has one
+    let mut scalings: Vec<(&str, Value)> = Vec::new();
+    if let Some(params) = top.remove("rope_parameters").filter(|v| !v.is_null()) {
+        let Value::Object(params) = params else { return Err(format!("rope_parameters should be an object, got {params}")) };
+        if let Some(theta) = params.get("rope_theta").filter(|v| !v.is_null()) {
+            match top.get("rope_theta").filter(|v| !v.is_null()) {
+                Some(t) if t.as_f64() != theta.as_f64() => return Err(format!("rope_theta {t} and rope_parameters' rope_theta {theta} differ")),
+                _ => {
+                    top.insert("rope_theta".into(), theta.clone());
+                }
+            }
+        }
+        let mut scaling = params;
+        scaling.remove("rope_theta");
+        scalings.push(("rope_parameters", Value::Object(scaling)));
+    }
+    if let Some(scaling) = top.remove("rope_scaling").filter(|v| !v.is_null()) {
+        scalings.push(("rope_scaling", scaling));
+    }
+    let mut kept: Option<(&str, Value)> = None;
+    for (field, scaling) in scalings {
+        let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(|v| v.as_str());
+        let scaling = match kind {
+            // no scaling (transformers' "default" ignores any factor), nor is a place that
+            // names no type and no factor (`rope_parameters` holding the theta alone)
+            Some("default") => continue,
+            None if scaling.as_object().is_some_and(|o| !o.contains_key("factor")) => continue,
+            Some("llama3") => {
+                let mut s = scaling.as_object().cloned().unwrap_or_default();
+                s.remove("type");
+                s.insert("rope_type".into(), Value::from("llama3"));
+                Value::Object(s)
+            }
+            _ => return Err(format!("unsupported {field} {scaling}: kvcandle runs Llama 3's scaling (rope_type \"llama3\") or none")),
+        };
+        match &kept {
+            Some((other, s)) if *s != scaling => return Err(format!("{other} {s} and {field} {scaling} differ")),
+            _ => kept = Some((field, scaling)),
+        }
+    }
+    if let Some((_, scaling)) = kept {
+        top.insert("rope_scaling".into(), scaling);
+    }
+    Ok(json)
+}
+
 fn read_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| Error::load(&path, e))?;
@@ -129,12 +203,8 @@ fn read_config(dir: &Path) -> Result<ModelConfig> {
             return Err(Error::load(&path, format!("unsupported model_type {kind:?}; kvcandle runs \"llama\"")));
         }
     }
-    if let Some(scaling) = json.get("rope_scaling").filter(|v| !v.is_null()) {
-        let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(|v| v.as_str());
-        if !matches!(kind, Some("llama3") | Some("default")) {
-            return Err(Error::load(&path, format!("unsupported rope_scaling {scaling}")));
-        }
-    }
+    refuse_unsupported(&json).map_err(|e| Error::load(&path, e))?;
+    let json = with_rope_as_candle_reads_it(json).map_err(|e| Error::load(&path, e))?;
     let cfg: LlamaConfig =
         serde_json::from_value(json.clone()).map_err(|e| Error::load(&path, e))?;
     let head_dim = match json.get("head_dim").filter(|v| !v.is_null()) {
