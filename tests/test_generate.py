@@ -3,6 +3,8 @@ character and joins to generate's text, stop strings, EOS, seeded sampling, cach
 
 from __future__ import annotations
 
+import codecs
+
 import numpy as np
 import pytest
 
@@ -139,10 +141,56 @@ def test_decode_stream_pieces_join_to_decode(default_model):
     for ids in sequences:
         stream = tok.decode_stream()
         pieces = [stream.add(i) for i in ids]
-        assert "".join(pieces) == tok.decode(ids).rstrip("\ufffd")
+        assert "".join(pieces) == _without_an_unfinished_character(tok, ids)
     for t, ids in zip(texts, sequences):
         stream = tok.decode_stream()
         assert "".join(stream.add(i) for i in ids) == t
+
+
+def _without_an_unfinished_character(tok, ids) -> str:
+    """decode(ids), less the U+FFFD an unfinished UTF-8 character at the end decodes to,
+    as Python's own incremental UTF-8 decoder tells it (it holds such bytes back)."""
+    text = tok.decode(ids)
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(b"".join(tok.token_bytes(i) for i in ids), final=False)
+    return text[:-1] if decoder.decode(b"", final=True) else text
+
+
+def test_a_real_replacement_character_is_streamed(default_model):
+    """U+FFFD is a character of its own (token 24211 is its three bytes): the streaming
+    decoder took any text ending in it for an unfinished character and held it back, so
+    a generation ending in it lost it (``text`` empty where ``decode(tokens)`` was six of
+    them)."""
+    tok = default_model.tokenizer
+    for text in ("abc\ufffd", "\ufffd", "\ufffd\ufffd x \ufffd"):
+        stream = tok.decode_stream()
+        assert "".join(stream.add(i) for i in tok.encode(text, add_special_tokens=False)) == text
+    r = kvcandle.generate(default_model, "Replacement characters: " + "\ufffd" * 10, max_tokens=6)
+    assert "\ufffd" in r.text and r.text == _without_an_unfinished_character(tok, r.tokens)
+    pieces = list(kvcandle.stream_generate(default_model, "Replacement characters: " + "\ufffd" * 10, max_tokens=6))
+    assert "".join(p.text for p in pieces) == r.text
+
+
+def test_decode_stream_refuses_a_bad_id_and_goes_on(default_model):
+    """``add`` of an id outside the vocabulary gave "" (10**6), a bare OverflowError (-1)
+    or took a bool, and the id stayed in the stream, so every later ``add`` failed. Now
+    each is refused as ``decode`` refuses it, and the stream goes on as if it had not
+    been called."""
+    tok = default_model.tokenizer
+    ids = tok.encode("北京 🎉 Paris")
+    want = tok.decode_stream()
+    expected = [want.add(i) for i in ids]
+    stream = tok.decode_stream()
+    got = []
+    for k, i in enumerate(ids):
+        bad, error = [(10**6, kvcandle.TokenIdError), (-1, kvcandle.TokenIdError), (True, TypeError), ("7", TypeError), (tok.vocab_size, kvcandle.TokenIdError)][k % 5]
+        with pytest.raises(error):
+            stream.add(bad)
+        got.append(stream.add(i))
+    assert got == expected
+    assert tok.id_to_token(-1) is None and tok.id_to_token(tok.vocab_size) is None and tok.id_to_token(ids[0]) is not None
+    with pytest.raises(TypeError):
+        tok.id_to_token("7")
 
 
 def test_streaming_never_decodes_the_whole_text_again(default_model, monkeypatch):

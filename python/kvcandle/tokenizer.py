@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from tokenizers import AddedToken, Regex, Tokenizer as _HFTokenizer, decoders, models, pre_tokenizers
 
 from . import _core
-from ._checks import as_int, show
+from ._checks import as_int, int_arg, show
 from ._ids import as_ids
 from .errors import InputError, KVCandleWarning, ModelLoadError, TokenIdError
 
@@ -401,7 +401,7 @@ class Tokenizer:
         them, without an incomplete character at the end: for a SentencePiece vocabulary
         the first piece keeps its leading space (" Paris" after "The capital of France
         is"), where ``decode`` of the ids alone drops it as the start of a text."""
-        return DecodeStream(self._backend)
+        return DecodeStream(self)
 
     def apply_chat_template(
         self,
@@ -447,10 +447,8 @@ class Tokenizer:
         Raises:
             TokenIdError: ``id`` is not in the vocabulary.
         """
-        n = self.vocab_size
-        if as_int(id) is None or not 0 <= int(id) < n:
-            raise TokenIdError(f"token id {show(id)} is out of range: the vocabulary has {n} ids (0..{n})")
-        text = self._backend.decode([int(id)], False, True)
+        id = self._checked_id(id)
+        text = self._backend.decode([id], False, True)
         if "\ufffd" not in text:
             return text.encode("utf-8")
         piece = self._backend.id_to_piece(int(id)) or ""
@@ -465,8 +463,26 @@ class Tokenizer:
     def token_to_id(self, token: str) -> Optional[int]:
         return self._backend.piece_to_id(token)
 
+    def _checked_id(self, id: object) -> int:
+        """``id`` as a Python int if it is one of the vocabulary's ids.
+
+        Raises:
+            TokenIdError: otherwise (a bool or a value that is not an int included).
+        """
+        n = self.vocab_size
+        if as_int(id) is None or not 0 <= int(id) < n:  # type: ignore[arg-type]
+            raise TokenIdError(f"token id {show(id)} is out of range: the vocabulary has {n} ids (0..{n})")
+        return int(id)  # type: ignore[arg-type]
+
     def id_to_token(self, id: int) -> Optional[str]:
-        return self._backend.id_to_piece(id)
+        """The vocabulary's piece for ``id``; None for an int outside the vocabulary (as
+        Hugging Face ``tokenizers`` answers).
+
+        Raises:
+            TypeError: ``id`` is not an int (a bool is not).
+        """
+        id = int_arg(id, "id")
+        return self._backend.id_to_piece(id) if 0 <= id < self.vocab_size else None
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], *, source: Source = "GGUF metadata") -> Optional["Tokenizer"]:
@@ -595,21 +611,50 @@ class Tokenizer:
 class DecodeStream:
     """Incremental decoding: see :meth:`Tokenizer.decode_stream`. Each id is decoded
     with the one before it (the context a SentencePiece piece or a byte needs), and the
-    text is given out once it no longer ends in an incomplete character."""
+    text is given out once its bytes no longer end inside a character (a text that ends
+    in a real U+FFFD, the three bytes EF BF BD, is complete)."""
 
-    __slots__ = ("_backend", "_ids", "_text")
+    __slots__ = ("_tokenizer", "_ids", "_text")
 
-    def __init__(self, backend: _Backend) -> None:
-        self._backend = backend
+    def __init__(self, tokenizer: "Tokenizer") -> None:
+        self._tokenizer = tokenizer
         self._ids: list[int] = []  # the last id given out, and those after it
         self._text = ""  # the text of that last id, given out already
 
     def add(self, id: int) -> str:
-        """The text ``id`` completes ("" while a character is still incomplete)."""
-        self._ids.append(id)
-        text = self._backend.decode(self._ids, False, True)
-        if len(text) <= len(self._text) or text.endswith("\ufffd") or not text.startswith(self._text):
+        """The text ``id`` completes ("" while a character is still incomplete).
+
+        Raises:
+            TypeError: ``id`` is not an int (a bool is not).
+            TokenIdError: ``id`` is not in the vocabulary.
+            Either leaves the stream as it was.
+        """
+        tok = self._tokenizer
+        token = tok._checked_id(int_arg(id, "id"))
+        backend = tok._backend
+        ids = [*self._ids, token]
+        text = backend.decode(ids, False, True)
+        self._ids = ids
+        if len(text) <= len(self._text) or not text.startswith(self._text):
             return ""
-        self._ids = [id]
-        new, self._text = text[len(self._text):], self._backend.decode(self._ids, False, True)
+        # the bytes after the last id given out (all of them before the first)
+        pending = ids[1:] if self._text else ids
+        if text.endswith("\ufffd") and _ends_inside_a_character(b"".join(tok.token_bytes(i) for i in pending)):
+            return ""
+        self._ids = [token]
+        new, self._text = text[len(self._text):], backend.decode(self._ids, False, True)
         return new
+
+
+def _ends_inside_a_character(data: bytes) -> bool:
+    """Whether ``data`` ends with the first bytes of a UTF-8 character whose other bytes
+    may still come (a lead byte followed by fewer continuation bytes than it announces).
+    Bytes no later byte can complete (a stray continuation byte, an invalid lead) are
+    not: they stay U+FFFD."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:  # a continuation byte: look further back for its lead
+            continue
+        needs = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+        return back < needs
+    return False
