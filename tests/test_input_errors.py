@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -45,6 +46,54 @@ def tok_dir(tmp_path, tiny_dirs) -> Path:
     t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     t.save(str(d / "tokenizer.json"))
     return d
+
+
+def _with_post_processor(d: Path, processor, config: Optional[dict]) -> Path:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    t = HFTokenizer.from_file(str(d / "tokenizer.json"))
+    vocab = t.get_vocab()
+    t.add_special_tokens(["<s>", "</s>"])
+    if processor is not None:
+        t.post_processor = processor(vocab_size=len(vocab))
+    t.save(str(d / "tokenizer.json"))
+    if config is not None:
+        (d / "tokenizer_config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_the_bos_a_tokenizer_json_adds_itself_is_added(tok_dir):
+    """Llama 3's tokenizer.json adds its BOS through its post-processor (a template
+    "<|begin_of_text|> $A"), and its tokenizer_config.json has no add_bos_token: the BOS
+    was dropped (prompts ran without it). Without add_bos_token, kvcandle's encode now
+    gives what ``tokenizers`` gives with ``add_special_tokens`` (the reference), and
+    add_bos_token, when the config has it, still decides."""
+    from tokenizers import Tokenizer as HFTokenizer, processors
+
+    def template(vocab_size: int):
+        return processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab_size)])
+
+    text = "hello"
+    cases = [(None, True), ({"bos_token": "<s>"}, True), ({"bos_token": "<s>", "add_bos_token": False}, False), ({"add_bos_token": True, "bos_token": "<s>"}, True)]
+    for k, (config, bos) in enumerate(cases):
+        d = _with_post_processor(Path(shutil.copytree(tok_dir, tok_dir.parent / f"pp{k}")), template, config)
+        reference = HFTokenizer.from_file(str(d / "tokenizer.json"))
+        tok = kvcandle.load(d).tokenizer
+        assert tok.bos_token_id == reference.token_to_id("<s>")
+        want = reference.encode(text, add_special_tokens=bos).ids
+        assert tok.encode(text) == want and (want[0] == tok.bos_token_id) == bos, config
+        assert tok.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False).ids
+    # no post-processor, no add_bos_token: no BOS, as the reference
+    d = _with_post_processor(Path(shutil.copytree(tok_dir, tok_dir.parent / "plain")), None, {"bos_token": "<s>"})
+    assert kvcandle.load(d).tokenizer.encode(text) == HFTokenizer.from_file(str(d / "tokenizer.json")).encode(text).ids
+    # a post-processor adding more than one BOS: not followed, and said so
+    def both(vocab_size: int):
+        return processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", vocab_size), ("</s>", vocab_size + 1)])
+
+    d = _with_post_processor(Path(shutil.copytree(tok_dir, tok_dir.parent / "both")), both, None)
+    with pytest.warns(kvcandle.KVCandleWarning, match="post-processor adds tokens"):
+        tok = kvcandle.load(d).tokenizer
+    assert tok.encode(text) == HFTokenizer.from_file(str(d / "tokenizer.json")).encode(text, add_special_tokens=False).ids
 
 
 def test_tok_dir_loads(tok_dir):

@@ -584,10 +584,14 @@ class Tokenizer:
         def token_id(token: Optional[str]) -> Optional[int]:
             return hf.token_to_id(token) if token is not None else None
 
-        eos_id = token_id(eos_token)
+        bos_id, eos_id = token_id(bos_token), token_id(eos_token)
+        if add_bos is None:
+            # tokenizer.json's own post-processor then says (Llama 3's adds
+            # <|begin_of_text|> so, with no add_bos_token in its tokenizer_config.json)
+            bos_id, add_bos = _bos_of_post_processor(hf, bos_id, path)
         return cls(
             _HuggingFace(hf),
-            bos_token_id=token_id(bos_token),
+            bos_token_id=bos_id,
             eos_token_ids=list(eos_token_ids) or ([eos_id] if eos_id is not None else []),
             add_bos_token=bool(add_bos),
             chat_template=template,
@@ -606,6 +610,28 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size})"
+
+
+def _bos_of_post_processor(hf: _HFTokenizer, bos_id: Optional[int], path: Path) -> tuple[Optional[int], bool]:
+    """The BOS id and whether ``encode`` adds it, as ``tokenizer.json``'s post-processor
+    has it (what ``tokenizers`` and transformers add with ``add_special_tokens``): a
+    single special token it puts before a text is the BOS (``bos_id`` if the config
+    named none). Anything else it adds (a token after the text, several before it) is
+    not added by kvcandle, with a warning naming the file."""
+    with_specials, plain = hf.encode("a", add_special_tokens=True).ids, hf.encode("a", add_special_tokens=False).ids
+    starts = [i for i in range(len(with_specials) - len(plain) + 1) if with_specials[i:i + len(plain)] == plain]
+    if not starts:
+        return bos_id, False
+    before, after = with_specials[: starts[0]], with_specials[starts[0] + len(plain):]
+    if len(before) == 1 and not after and (bos_id is None or before[0] == bos_id):
+        return before[0], True
+    if before or after:
+        warnings.warn(
+            f"{path}: its post-processor adds tokens {before} before and {after} after a text; kvcandle adds none of them (only a single BOS before it)",
+            KVCandleWarning,
+            stacklevel=3,
+        )
+    return bos_id, False
 
 
 class DecodeStream:
