@@ -11,6 +11,7 @@ import pytest
 import kvcandle
 from builders import SHAPES, write_gguf
 from kvcandle import parity
+from kvcandle.tokenizer import Tokenizer
 from kvcandle.sampling import apply_repetition_penalty, sample, top_k_filter, top_p_filter
 
 CHAT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -128,6 +129,40 @@ def test_chat_template_errors_are_value_errors(default_model):
     with pytest.raises(ValueError, match="cannot render"):
         tok.apply_chat_template([{"role": "user", "content": None}])  # the template concatenates strings
     assert tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)[:1] == [1]
+
+
+def test_chat_templates_render_as_transformers_renders_them(default_model):
+    """transformers' ``apply_chat_template`` (rendering only: ``tokenize=False``) is the
+    reference: its ``tojson`` options (``ensure_ascii``, ``sort_keys``, ...), ``tools``
+    and ``documents`` defined as None, message keys whose value is None left out
+    (``content=None`` printed "None"), and the ``{% generation %}`` tag. Each of these
+    failed or rendered otherwise before."""
+    from tokenizers import Tokenizer as HFTokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_gguf_file(default_model.path)
+    bos, eos = tok.id_to_token(tok.bos_token_id), tok.id_to_token(tok.eos_token_ids[0])
+    reference = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), bos_token=bos, eos_token=eos)
+    messages = [
+        {"role": "system", "content": "Be brief. Ünïcode ✓"},
+        {"role": "user", "content": "Hi", "name": None},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {"b": 1, "a": "é"}}}]},
+        {"role": "user", "content": "Thanks"},
+    ]
+    templates = [
+        "{% for m in messages %}{{ m['role'] }}: {{ m | tojson(ensure_ascii=False, sort_keys=True) }}\n{% endfor %}",
+        "{{ messages | tojson(indent=2, separators=(',', ': '), ensure_ascii=True) }}",
+        "{% if tools is not none %}{{ tools | tojson }}{% endif %}{% if documents is none %}no docs{% endif %}{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}",
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}A:{{ m.content }}{% endgeneration %}{% else %}{{ m.role }}:{{ m.content }}{% endif %}\n{% endfor %}",
+        "{% for m in messages %}{{ m.role }}{% if m.content is defined %}={{ m.content }}{% endif %}{% if m.name is defined %} named{% endif %};{% endfor %}{{ bos_token }}",
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for template in templates:
+        tok.chat_template = template
+        for kw in ({}, {"tools": tools}):
+            for generation_prompt in (False, True):
+                want = reference.apply_chat_template(messages, chat_template=template, add_generation_prompt=generation_prompt, tokenize=False, **kw)
+                assert tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, **kw) == want, (template, kw)
 
 
 def test_decode_stream_pieces_join_to_decode(default_model):

@@ -279,10 +279,25 @@ def _compile_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    def tojson(value: Any, indent: Optional[int] = None) -> str:
-        return json.dumps(value, indent=indent, ensure_ascii=False)
+    from jinja2 import nodes
+    from jinja2.ext import Extension
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None, separators: Any = None, sort_keys: bool = False) -> str:
+        # transformers' filter (Jinja's own escapes HTML characters), with its options
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}``, which transformers' templates use to
+        mark the assistant's tokens: rendered as its body (kvcandle returns no masks)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -427,13 +442,16 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role', got {m!r}")
         from jinja2.exceptions import TemplateError
 
+        # as transformers renders: keys whose value is None left out (an OpenAI-style
+        # message's content=None would print "None"), tools and documents None unless given
+        context = {"tools": None, "documents": None, **extra}
         try:
             text = _compile_template(self.chat_template).render(
-                messages=list(messages),
+                messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
                 eos_token=self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else "",
-                **extra,
+                **context,
             )
         except (TemplateError, TypeError, KeyError) as e:
             raise ValueError(f"the chat template cannot render these messages: {e}") from e
