@@ -80,6 +80,25 @@ def test_stopping_early_records_the_reply_so_far(default_model: kvcandle.Model) 
     assert chat.cache.tokens == chat.tokens[: len(chat.cache)]
 
 
+def test_the_reply_is_recorded_as_the_caller_got_it(default_model: kvcandle.Model) -> None:
+    """A reply cut by a stop string (or inside a character by max_tokens) was recorded
+    with what the caller never got (the stop string), and later turns built on it. The
+    assistant message is the text returned; the next turn runs what the template renders
+    of the messages, as a fresh generation from that rendering does."""
+    tok = default_model.tokenizer
+    for first_turn in (dict(max_tokens=20, stop=["Paris"]), dict(max_tokens=1)):
+        chat = kvcandle.Conversation(default_model, system=SYSTEM)
+        first = chat.send("What is the capital of France? Answer with the city's name in Japanese.", **first_turn)
+        assert chat.messages[-1] == {"role": "assistant", "content": first.text}
+        if "stop" in first_turn:
+            assert first.finish_reason == "stop" and "Paris" not in first.text and "Paris" in tok.decode(first.tokens)
+        second = chat.send("And of Italy?", **GREEDY)
+        rendered = tok.apply_chat_template(chat.messages[:-1], add_generation_prompt=True)
+        want = kvcandle.generate(default_model, tok.encode(rendered, add_special_tokens=False), **GREEDY)
+        assert second.tokens == want.tokens and second.stats.prompt_tokens == want.stats.prompt_tokens
+        assert chat.cache.tokens == chat.tokens[: len(chat.cache)]
+
+
 def test_bad_input(default_model: kvcandle.Model, tiny: kvcandle.Model) -> None:
     chat = kvcandle.Conversation(default_model)
     with pytest.raises(kvcandle.InputError):

@@ -131,20 +131,23 @@ class Conversation:
         ids = self._prompt(text)
         pieces = stream_generate(self._model, ids, max_tokens=max_tokens, cache=self._cache, stats=sampling.pop("stats", None), **sampling)
         reply: list[int] = []
+        given: list[str] = []
         start = (len(self._history), len(self._messages), len(self._cache))
         began = False
         try:
             for piece in pieces:
                 began = True
                 reply.extend(piece.tokens)
+                given.append(piece.text)
                 yield piece
         finally:
             if began:
-                tok = self._model.tokenizer
-                assert tok is not None
                 self._turns.append(start)
                 self._messages.append({"role": "user", "content": text})
-                self._messages.append({"role": "assistant", "content": tok.decode(reply)})
+                # the reply as the caller got it: without a stop string or a character
+                # cut by max_tokens, which the tokens still hold (the next prompt then
+                # renders the text as given, and the cache is synced to it)
+                self._messages.append({"role": "assistant", "content": "".join(given)})
                 self._history = ids + reply + ([self._end] if self._end is not None else [])
 
     def send(self, text: str, *, max_tokens: int = 256, **sampling: Any) -> GenerationResult:
