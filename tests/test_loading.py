@@ -204,6 +204,21 @@ def test_every_spelling_of_the_rotary_settings_gives_the_same_model(tmp_path):
             assert np.array_equal(model.forward(ids, all_logits=True), want), (shape.name, name)
 
 
+def test_numbers_a_config_leaves_out_take_transformers_defaults(tmp_path):
+    """transformers' LlamaConfig gives a config.json without ``rms_norm_eps`` 1e-6 and
+    without ``max_position_embeddings`` 2,048 (such a directory was refused): the model
+    loaded without them is, bit for bit, the one with those numbers written."""
+    shape = SHAPES[0]
+    written = hf_config(shape) | {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
+    want = kvcandle.load(_dir_with_config(tmp_path / "written", shape, written))
+    for left_out in (["rms_norm_eps"], ["max_position_embeddings"], ["rms_norm_eps", "max_position_embeddings"]):
+        config = {k: v for k, v in written.items() if k not in left_out}
+        model = kvcandle.load(_dir_with_config(tmp_path / "-".join(left_out), shape, config))
+        assert (model.config.rms_norm_eps, model.config.max_position_embeddings) == (1e-6, 2048)
+        ids = [5, 9, 2, 40, 7]
+        assert np.array_equal(model.forward(ids, all_logits=True), want.forward(ids, all_logits=True)), left_out
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

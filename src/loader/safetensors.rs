@@ -137,6 +137,20 @@ fn refuse_unsupported(json: &serde_json::Value) -> std::result::Result<(), Strin
     }
 }
 
+/// `json` with the numbers transformers' `LlamaConfig` takes when a `config.json` leaves
+/// them out (candle's `LlamaConfig` requires them): `rms_norm_eps` 1e-6 and
+/// `max_position_embeddings` 2,048.
+fn with_transformers_defaults(mut json: serde_json::Value) -> serde_json::Value {
+    if let Some(top) = json.as_object_mut() {
+        for (field, default) in [("rms_norm_eps", serde_json::Value::from(1e-6)), ("max_position_embeddings", serde_json::Value::from(2048))] {
+            if top.get(field).is_none_or(|v| v.is_null()) {
+                top.insert(field.into(), default);
+            }
+        }
+    }
+    json
+}
+
 /// `json` with its rotary embedding's settings where candle's `LlamaConfig` reads them:
 /// `rope_theta` at the top and a `rope_scaling` only for Llama 3's scaling (its
 /// `rope_type` key, which older files call `type`). transformers 5 writes them as
@@ -204,7 +218,7 @@ fn read_config(dir: &Path) -> Result<ModelConfig> {
         }
     }
     refuse_unsupported(&json).map_err(|e| Error::load(&path, e))?;
-    let json = with_rope_as_candle_reads_it(json).map_err(|e| Error::load(&path, e))?;
+    let json = with_rope_as_candle_reads_it(with_transformers_defaults(json)).map_err(|e| Error::load(&path, e))?;
     let cfg: LlamaConfig =
         serde_json::from_value(json.clone()).map_err(|e| Error::load(&path, e))?;
     let head_dim = match json.get("head_dim").filter(|v| !v.is_null()) {
