@@ -487,10 +487,10 @@ class Tokenizer:
         Raises:
             TokenIdError: otherwise (a bool or a value that is not an int included).
         """
-        n = self.vocab_size
-        if as_int(id) is None or not 0 <= int(id) < n:  # type: ignore[arg-type]
+        n, token = self.vocab_size, as_int(id)
+        if token is None or not 0 <= token < n:
             raise TokenIdError(f"token id {show(id)} is out of range: the vocabulary has {n} ids (0..{n})")
-        return int(id)  # type: ignore[arg-type]
+        return token
 
     def id_to_token(self, id: int) -> Optional[str]:
         """The vocabulary's piece for ``id``; None for an int outside the vocabulary (as
