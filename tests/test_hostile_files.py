@@ -148,7 +148,9 @@ GGUF_CASES: list[tuple[str, Callable[[RawGGUF], None], Optional[str], str]] = [
     ("type F32 -> F16", set_tensor("token_embd.weight", 2, 1), "ModelLoadError", "but tensor token_embd.weight before it ends at 9696: the " + INCONSISTENT),
     ("last tensor's type F32 -> F16", lambda r: set_tensor(r.tensors[-1][0], 2, 1)(r), "ModelLoadError", "bytes follow the data of tensor blk.1.ffn_down.weight, the last one"),
     ("type F32 -> Q8_0 (rows not whole blocks)", set_tensor("token_embd.weight", 2, 8), "ModelLoadError", "rows of 48 values, not a multiple of Q8_0's block of 32"),
-    ("unknown type id", set_tensor("output_norm.weight", 2, 99), "ModelLoadError", "tensor output_norm.weight has unknown type id 99"),
+    ("unknown type id", set_tensor("output_norm.weight", 2, 99), "ModelLoadError", "not a valid GGUF file: tensor output_norm.weight has unknown type id 99"),
+    # a type ggml defines and kvcandle does not read: named as such, not as a broken file
+    ("IQ4_NL tensor", set_tensor("output_norm.weight", 2, 20), "ModelLoadError", r"\.gguf: tensor output_norm.weight is IQ4_NL \(GGUF type 20\), a type kvcandle does not read"),
     ("five dimensions", set_tensor("output_norm.weight", 1, [48, 1, 1, 1, 1]), "ModelLoadError", r"tensor output_norm.weight has 5 dimensions \(1 to 4 allowed\)"),
     ("zero dimension", set_tensor("output_norm.weight", 1, [0]), "ModelLoadError", r"tensor output_norm.weight has a zero dimension \[0\]"),
     ("alignment 3", lambda r: r.set("general.alignment", RawGGUF.U32, 3), "ModelLoadError", "general.alignment must be a power of two"),

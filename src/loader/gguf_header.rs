@@ -55,18 +55,51 @@ fn ggml_dtype(id: u32) -> Option<GgmlDType> {
     })
 }
 
+/// The names of the GGUF type ids ggml defines that candle cannot hold (the i-quants,
+/// the ternary types, MXFP4, integers, float64): a file of one is valid, and kvcandle
+/// says it does not read that type rather than that the file is broken.
+fn unread_type_name(id: u32) -> Option<&'static str> {
+    Some(match id {
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => return None,
+    })
+}
+
 /// Reads and validates the header of the GGUF file at `path`.
 pub(super) fn read(path: &Path) -> Result<Content> {
     let file = File::open(path).map_err(|e| Error::load(path, e))?;
     let len = file.metadata().map_err(|e| Error::load(path, e))?.len();
-    let mut r = Reader { inner: BufReader::new(file), pos: 0, len, memory: 0 };
-    r.content().map_err(|reason| Error::load(path, format!("not a valid GGUF file: {reason}")))
+    let mut r = Reader { inner: BufReader::new(file), pos: 0, len, memory: 0, unread_type: false };
+    let content = r.content();
+    content.map_err(|reason| match r.unread_type {
+        true => Error::load(path, reason),
+        false => Error::load(path, format!("not a valid GGUF file: {reason}")),
+    })
 }
 
 struct Reader {
     inner: BufReader<File>,
     pos: u64,
     len: u64,
+    /// Whether the header was given up at a tensor of a type ggml defines and kvcandle
+    /// does not read (the file may be valid).
+    unread_type: bool,
     /// Bytes of metadata held in memory so far (estimated from the values' sizes).
     memory: u64,
 }
@@ -179,7 +212,15 @@ impl Reader {
             }
             let type_id = self.u32(&what)?;
             let offset = self.u64(&what)?;
-            let dtype = ggml_dtype(type_id).ok_or_else(|| format!("tensor {name} has unknown type id {type_id}"))?;
+            let Some(dtype) = ggml_dtype(type_id) else {
+                return Err(match unread_type_name(type_id) {
+                    Some(kind) => {
+                        self.unread_type = true;
+                        format!("tensor {name} is {kind} (GGUF type {type_id}), a type kvcandle does not read (it reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K to Q6_K)")
+                    }
+                    None => format!("tensor {name} has unknown type id {type_id}"),
+                });
+            };
             let bytes = tensor_bytes(&dims, dtype).map_err(|reason| format!("tensor {name} {reason}"))?;
             if offset % alignment != 0 {
                 return Err(format!("tensor {name}'s offset {offset} is not a multiple of the alignment {alignment}"));
