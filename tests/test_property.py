@@ -13,7 +13,10 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 import kvcandle
 
 VOCAB = 101
-TOL = 1e-5
+# float32 logits against float64: the README's bound for tiny models (1e-4). 1e-5 was
+# exceeded by a hypothesis draw with the portable kernels (1.05e-5 after 43 positions);
+# a cache holding wrong positions is off by 0.1 to several units
+TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
