@@ -113,8 +113,9 @@ def test_prefetch_levels_give_the_same_bits():
 
 def test_the_default_prefetch_level_follows_the_cpu():
     """The second level on AMD x86-64 CPUs of family 19h with AVX-512 (Zen 4), the first
-    on AMD family 1Ah and later (Zen 5), the second for batches only on other AMD CPUs
-    (Zen 3), both on other x86-64 CPUs (Intel), the first on any other (ARM)."""
+    on AMD family 1Ah and later (Zen 5) and on family 17h (Zen 1, Zen 2), the second for
+    batches only on other AMD CPUs (Zen 3), both on other x86-64 CPUs (Intel), the first
+    on any other (ARM)."""
     got = run("import kvcandle; print(kvcandle.prefetch_level())", None, kvcandle.PREFETCH_ENV)
     assert got.returncode == 0, got.stderr
     amd = avx512 = False
@@ -129,8 +130,8 @@ def test_the_default_prefetch_level_follows_the_cpu():
         avx512 = any(line.startswith("flags") and "avx512f" in line.split() for line in lines)
         family = next(int(line.split(":")[1]) for line in lines if line.startswith("cpu family"))
     zen4 = amd and avx512 and family == 0x19
-    zen5_on = amd and family >= 0x1A
-    assert got.stdout.strip() == ("l2" if zen4 else "l1" if zen5_on else "l2-batch" if amd else "l1+l2" if x86 else "l1")
+    zen5_on_or_zen1_2 = amd and (family >= 0x1A or family == 0x17)
+    assert got.stdout.strip() == ("l2" if zen4 else "l1" if zen5_on_or_zen1_2 else "l2-batch" if amd else "l1+l2" if x86 else "l1")
 
 
 # The rows a float32 product of one input reads side by side (KVCANDLE_ROWS): 1 and 8

@@ -99,9 +99,20 @@ impl Prefetch {
 
     /// By measurement (`examples/products_probe.rs`, weights read from memory; the
     /// model's decode steps): the second level on AMD CPUs of family 19h with AVX-512
-    /// (Zen 4), the first on family 1Ah and later (Zen 5), the second level for batches
-    /// only on other AMD CPUs (Zen 3 and before), both levels ([`Prefetch::L1L2`]) on
-    /// other x86-64 CPUs (Intel), the first elsewhere (where the kernels prefetch nothing).
+    /// (Zen 4), the first on family 1Ah and later (Zen 5) and on family 17h (Zen 1 and
+    /// Zen 2; measured on a Zen 1), the second level for batches only on other AMD CPUs
+    /// (Zen 3, and families before 17h), both levels ([`Prefetch::L1L2`]) on other x86-64
+    /// CPUs (Intel), the first elsewhere (where the kernels prefetch nothing).
+    ///
+    /// On an AMD EPYC Zen 1 (family 17h model 1, AVX2 only, 2 vCPUs, 2026-12-07), unlike
+    /// the Zen 3, one input's rows need the requests: the default model's decode of one
+    /// sequence, a process per level in turns, 16 tokens of context, medians of 5 rounds
+    /// of 8 steps, three runs each: one thread float32 41.5-44.9 ms a step at `l2-batch`
+    /// against 33.3-36.4 at `l1` (33.9-34.6 at `l1+l2`, 39.5-42.2 at `l2`), quantized
+    /// 13.1-15.3 against 12.0-12.5; two threads float32 22.3-26.2 against 22.1-23.2,
+    /// quantized 8.2-8.5 against 8.0-8.3; eight sequences' step the same within the
+    /// machine's noise (one thread 66.0-72.1 against 63.6-65.1 ms, two threads 36.0-42.1
+    /// against 36.8-40.5).
     ///
     /// On an AMD EPYC Zen 4, to the second level (2 threads): AVX-512, eight inputs
     /// 17.5-18.1 -> 23.7-24.1 GB/s, one input (which prefetches nothing into the first
@@ -145,6 +156,7 @@ impl Prefetch {
             (false, _) => Prefetch::L1L2,
             (true, 0x19) if avx512 => Prefetch::L2,
             (true, f) if f >= 0x1A => Prefetch::L1,
+            (true, 0x17) => Prefetch::L1,
             (true, _) => Prefetch::L2Batch,
         }
     }
@@ -795,22 +807,24 @@ mod tests {
 
     #[test]
     fn cpu_family_adds_the_extended_family_to_base_0f() {
-        // CPUID signatures (leaf 1, EAX): AMD Zen 3 (19h), Zen 4 (19h), Zen 5 (1Ah), an
-        // Intel Xeon (6: no extended family)
-        for (signature, family) in [(0x00A0_0F11, 0x19), (0x00A1_0F11, 0x19), (0x00B0_0F21, 0x1A), (0x0008_06F8, 6)] {
+        // CPUID signatures (leaf 1, EAX): AMD Zen 3 (19h), Zen 4 (19h), Zen 5 (1Ah), Zen 1
+        // (17h), an Intel Xeon (6: no extended family)
+        for (signature, family) in [(0x00A0_0F11, 0x19), (0x00A1_0F11, 0x19), (0x00B0_0F21, 0x1A), (0x0080_0F12, 0x17), (0x0008_06F8, 6)] {
             assert_eq!(cpu_family(signature), family, "{signature:#010x}");
         }
     }
 
     #[test]
     fn the_default_prefetch_level_by_cpu() {
-        // (AMD, family, AVX-512F): Zen 3, Zen 4, Zen 5, an Intel Xeon, a future AMD family
+        // (AMD, family, AVX-512F): Zen 3, Zen 4, Zen 5, an Intel Xeon, Zen 1 / Zen 2, a
+        // future AMD family, an AMD family before Zen (15h, Excavator: AVX2)
         for (cpu, level) in [
             ((true, 0x19, false), Prefetch::L2Batch),
             ((true, 0x19, true), Prefetch::L2),
             ((true, 0x1A, true), Prefetch::L1),
             ((false, 6, true), Prefetch::L1L2),
-            ((true, 0x17, false), Prefetch::L2Batch),
+            ((true, 0x17, false), Prefetch::L1),
+            ((true, 0x15, false), Prefetch::L2Batch),
             ((true, 0x1B, false), Prefetch::L1),
         ] {
             assert_eq!(Prefetch::default_for(cpu.0, cpu.1, cpu.2), level, "{cpu:?}");
