@@ -121,7 +121,13 @@ impl Prefetch {
     /// holds one of the first level's few miss buffers until the line arrives, so fewer
     /// lines are in flight. On an AMD EPYC Zen 3 (AVX2 only), one input without
     /// prefetches (in turns): one thread 12.2-15.1 -> 16.8-18.8 GB/s, 2 threads 23.6-27.4
-    /// -> 27.6-32.3 GB/s; its hardware prefetcher alone follows the eight rows better. On
+    /// -> 27.6-32.3 GB/s; its hardware prefetcher alone follows the eight rows better.
+    /// Checked again on a Zen 3 on 2026-12-07 with the kernels of then (one row at a time,
+    /// interleaved Q4 groups), one thread, a process per level in turns, three rounds, one
+    /// float32 sequence after 300 tokens: `l1` 35.6-40.2 ms a step, `l1+l2` 34.5-39.7,
+    /// `l2-batch` 30.4-34.3 and `l2` 27.6-37.3 (the same path for one input: the spread is
+    /// the machine's), so the Zen 3 keeps `l2-batch`; eight sequences' step 50.2-57.0 ms
+    /// at `l2-batch`, 52.5-59.7 at `l1`, 50.7-66.2 at `l2`, 56.1-66.4 at `l1+l2`. On
     /// an AMD EPYC Zen 5 (family 1Ah, AVX-512) the same holds: the default model's
     /// float32 decode of one sequence, `l2` against `l2-batch` in turns, one thread
     /// 67.1-67.9 -> 73.8-75.7 tok/s, two threads 111.8-112.7 -> 121.2-127.3 (eight
@@ -155,8 +161,7 @@ impl Prefetch {
         match (amd, family) {
             (false, _) => Prefetch::L1L2,
             (true, 0x19) if avx512 => Prefetch::L2,
-            (true, f) if f >= 0x1A => Prefetch::L1,
-            (true, 0x17) => Prefetch::L1,
+            (true, f) if f >= 0x1A || f == 0x17 => Prefetch::L1,
             (true, _) => Prefetch::L2Batch,
         }
     }
